@@ -1,0 +1,41 @@
+# make demo: set up .venv and train the digits MLP on 4 ranks.
+# make test: set up .venv and run the whole test suite (unit tests, then the
+#            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks).
+# make bench: the collectives benchmark at 2 and 4 ranks.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+RUN     := $(VENV)/bin/pycollrun
+PYTEST  := -m pytest -p no:cacheprovider
+SOURCES := setup.py pyproject.toml CMakeLists.txt requirements-dev.txt $(wildcard csrc/*.* csrc/cuda/*.*)
+
+# Open MPI refuses root without these; CI and these machines run as root.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e .
+	touch $@
+
+demo: install
+	$(RUN) -np 4 python examples/train_digits.py
+
+test: install
+	$(PY) $(PYTEST) -q tests
+	for n in 1 2 3 4; do \
+	  echo "== multi-rank tests at $$n ranks"; \
+	  $(RUN) -np $$n python $(PYTEST) -q --with-mpi -m mpi tests || exit 1; \
+	done
+
+bench: install
+	$(RUN) -np 2 python bench/collectives.py --json bench/results/collectives-np2.json
+	$(RUN) -np 4 python bench/collectives.py --json bench/results/collectives-np4.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info pycoll/_C*.so

@@ -1,0 +1,49 @@
+"""pycoll: collectives for distributed deep learning on MPI, Horovod-like.
+
+    import pycoll
+    pycoll.init()
+    y = pycoll.allreduce(x, op=pycoll.Average)
+
+Importing pycoll does not start MPI (so ``pycollrun`` and tools can import it);
+``pycoll.init()`` or the first use of a collective does.
+"""
+import importlib
+
+from .config import configure
+from .hetero import slowdown, slowdown_factor
+from .runtime import (Group, init, is_initialized, local_rank, local_size, new_group, rank,
+                      shutdown, size)
+from .work import CollectiveTimeout, Work
+
+__version__ = "0.1.0"
+
+_COLLECTIVES = (
+    "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "reduce_scatter", "reduce_scatter_async", "alltoall", "alltoall_async",
+    "barrier", "barrier_async",
+)
+
+__all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",
+           "local_rank", "local_size", "new_group", "rank", "shutdown", "size",
+           "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES]
+
+
+def has_cuda() -> bool:
+    """Whether pycoll's CUDA kernels were built."""
+    from . import _C
+    return _C.has_cuda()
+
+
+def __getattr__(name):
+    # collectives imports mpi4py.MPI, which starts MPI: load it on first use only.
+    if name in _COLLECTIVES:
+        return getattr(importlib.import_module(".collectives", __name__), name)
+    raise AttributeError(f"module 'pycoll' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,362 @@
+"""Collectives on MPI through mpi4py.
+
+Each collective is planned in the caller's thread (inputs checked, outputs allocated)
+and returns a thunk that the executor runs in issue order: ``allreduce`` runs it and
+returns the result, ``allreduce_async`` returns a ``Work``. Trailing-underscore forms
+work in place. CUDA buffers are staged through host memory unless the MPI is
+CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
+"""
+import enum
+from contextlib import ExitStack, contextmanager
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _C, config, runtime, tensors
+from .tensors import Buffer, as_buffer
+from .work import Work
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "prod"
+
+
+Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN,
+                                   ReduceOp.MAX, ReduceOp.PRODUCT)
+
+_MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
+# float16 and bfloat16 travel as 16-bit words; MPI cannot reduce them, _C.reduce can.
+_MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.FLOAT,
+              "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
+              "int32": MPI.INT32_T, "int64": MPI.INT64_T, "uint8": MPI.UINT8_T}
+_half_ops: dict = {}
+
+
+def _reduce_op(op) -> ReduceOp:
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduction {op!r}; use pycoll.Sum, Average, Min, Max "
+                         "or Product") from None
+
+
+def _mpi_op(op: ReduceOp, dtype: str):
+    if dtype not in ("float16", "bfloat16"):
+        return _MPI_OPS[op]
+    kernel_op = "sum" if op is Average else op.value
+    if (dtype, kernel_op) not in _half_ops:
+        def reduce_half(invec, inoutvec, datatype):
+            inout = MPI.buffer(inoutvec)
+            _C.reduce(inout.address, MPI.buffer(invec).address, inout.nbytes // 2, dtype,
+                      kernel_op)
+        _half_ops[dtype, kernel_op] = MPI.Op.Create(reduce_half, commute=True)
+    return _half_ops[dtype, kernel_op]
+
+
+def _check_reduction(op: ReduceOp, buf: Buffer) -> None:
+    if op is Average and buf.dtype not in tensors.FLOATS:
+        raise TypeError(f"Average of {buf.dtype} tensors would truncate; use op=pycoll.Sum "
+                        "and divide, or cast to a float dtype")
+
+
+def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
+    """An mpi4py message spec for raw memory."""
+    return [MPI.buffer.fromaddress(ptr, nbytes), nbytes // tensors.ITEMSIZE[dtype],
+            _MPI_TYPES[dtype]]
+
+
+@contextmanager
+def _host(buf: Buffer, read: bool = True, write: bool = False):
+    """A host pointer holding ``buf``'s bytes: its own, or a staging copy for CUDA memory."""
+    if not buf.is_cuda or config.get("cuda_aware_mpi"):
+        yield buf.ptr
+        return
+    staging = np.empty(buf.nbytes, np.uint8)
+    if read and buf.nbytes:
+        tensors.copy_device(staging.ctypes.data, buf.ptr, buf.nbytes)
+    yield staging.ctypes.data
+    if write and buf.nbytes:
+        tensors.copy_device(buf.ptr, staging.ctypes.data, buf.nbytes)
+
+
+def _same_kind(inputs: Sequence[Buffer]) -> None:
+    devices = {(b.device, b.device_id) for b in inputs}
+    if len(devices) > 1:
+        raise ValueError(f"tensors of one collective must share a device, got {sorted(devices)}")
+
+
+# ---------------------------------------------------------------- planners
+# Each returns (name, thunk). Checks and allocation happen here, in the caller's
+# thread, so bad input raises at the call and nothing is queued.
+
+def _plan_allreduce(x, op, group, name, inplace):
+    op, grp = _reduce_op(op), runtime.resolve(group)
+    src = as_buffer(x, writable=inplace)
+    _check_reduction(op, src)
+    out = x if inplace else tensors.empty_like(x, src.shape)
+    dst = as_buffer(out, writable=True)
+
+    def run():
+        with _host(src) as s, _host(dst, read=False, write=True) as d:
+            send = MPI.IN_PLACE if s == d else _msg(s, src.nbytes, src.dtype)
+            grp.comm.Allreduce(send, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, src.dtype))
+            if op is Average:
+                _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
+        return out
+    return name or "allreduce", run
+
+
+def _plan_grouped_allreduce(xs, op, group, name, inplace):
+    op, grp = _reduce_op(op), runtime.resolve(group)
+    xs = list(xs)
+    srcs = [as_buffer(x, writable=inplace) for x in xs]
+    _same_kind(srcs)
+    for buf in srcs:
+        _check_reduction(op, buf)
+    outs = xs if inplace else [tensors.empty_like(x, b.shape) for x, b in zip(xs, srcs)]
+    dsts = srcs if inplace else [as_buffer(o, writable=True) for o in outs]
+    by_dtype: dict = {}
+    for i, buf in enumerate(srcs):
+        by_dtype.setdefault(buf.dtype, []).append(i)
+
+    def run():
+        for dtype, idx in by_dtype.items():
+            _fused_allreduce([srcs[i] for i in idx], [dsts[i] for i in idx], dtype, op, grp)
+        return outs
+    return name or "grouped_allreduce", run
+
+
+def _fused_allreduce(srcs: List[Buffer], dsts: List[Buffer], dtype: str, op, grp) -> None:
+    """One MPI call for many same-dtype tensors: pack, reduce, unpack (+ Average's scale)."""
+    sizes = [b.nbytes for b in srcs]
+    fusion = np.empty(sum(sizes), np.uint8)
+    with ExitStack() as stack:
+        ins = [stack.enter_context(_host(b)) for b in srcs]
+        _C.pack(fusion.ctypes.data, ins, sizes)
+    grp.comm.Allreduce(MPI.IN_PLACE, _msg(fusion.ctypes.data, fusion.nbytes, dtype),
+                       _mpi_op(op, dtype))
+    scale = 1.0 / grp.size() if op is Average else 1.0
+    with ExitStack() as stack:
+        outs = [stack.enter_context(_host(b, read=False, write=True)) for b in dsts]
+        _C.unpack(fusion.ctypes.data, outs, sizes, dtype, scale)
+
+
+def _plan_allgather(x, group, name):
+    grp = runtime.resolve(group)
+    src = as_buffer(x)
+    name = name or "allgather"
+
+    def run():
+        rows = src.shape[0] if src.shape else 1
+        row_shape = tuple(src.shape[1:])
+        meta = grp.comm.allgather((rows, row_shape, src.dtype))
+        if len({m[1:] for m in meta}) > 1:
+            raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
+                             f"first; rank: (rows, other dims, dtype) = {dict(enumerate(meta))}")
+        out = tensors.empty_like(x, (sum(m[0] for m in meta),) + row_shape)
+        dst = as_buffer(out, writable=True)
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
+        counts = [m[0] * row_bytes for m in meta]
+        with _host(src) as s, _host(dst, read=False, write=True) as d:
+            grp.comm.Allgatherv(_msg(s, src.nbytes),
+                                [MPI.buffer.fromaddress(d, dst.nbytes), counts,
+                                 _displacements(counts), MPI.BYTE])
+        return out
+    return name, run
+
+
+def _displacements(counts: Sequence[int]) -> List[int]:
+    return [0] + list(np.cumsum(counts[:-1], dtype=np.int64)) if counts else []
+
+
+def _plan_broadcast(x, root, group, name, inplace):
+    grp = runtime.resolve(group)
+    _check_root(root, grp)
+    src = as_buffer(x, writable=inplace)
+    out = x if inplace else (tensors.clone(x) if grp.rank() == root
+                             else tensors.empty_like(x, src.shape))
+    dst = as_buffer(out, writable=True)
+
+    def run():
+        with _host(dst, read=grp.rank() == root, write=True) as d:
+            grp.comm.Bcast(_msg(d, dst.nbytes), root=root)
+        return out
+    return name or "broadcast", run
+
+
+def _check_root(root, grp: runtime.Group) -> None:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < grp.size():
+        raise ValueError(f"root must be a rank in [0, {grp.size()}), got {root!r}")
+
+
+def _split_rows(rows: int, parts: int) -> List[int]:
+    """``rows`` split as evenly as possible, the first ranks taking one more."""
+    return [rows // parts + (r < rows % parts) for r in range(parts)]
+
+
+def _plan_reduce_scatter(x, op, group, name):
+    op, grp = _reduce_op(op), runtime.resolve(group)
+    src = as_buffer(x)
+    _check_reduction(op, src)
+    if not src.shape:
+        raise ValueError("reduce_scatter splits dim 0 across ranks; got a 0-d tensor")
+    rows = _split_rows(src.shape[0], grp.size())
+    out = tensors.empty_like(x, (rows[grp.rank()],) + tuple(src.shape[1:]))
+    dst = as_buffer(out, writable=True)
+    row_count = src.count // src.shape[0] if src.shape[0] else 0
+
+    def run():
+        counts = [r * row_count for r in rows]
+        with _host(src) as s, _host(dst, read=False, write=True) as d:
+            grp.comm.Reduce_scatter(_msg(s, src.nbytes, src.dtype),
+                                    _msg(d, dst.nbytes, dst.dtype), counts,
+                                    _mpi_op(op, src.dtype))
+            if op is Average:
+                _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
+        return out
+    return name or "reduce_scatter", run
+
+
+def _plan_alltoall(x, splits, group, name):
+    grp = runtime.resolve(group)
+    src = as_buffer(x)
+    if not src.shape:
+        raise ValueError("alltoall splits dim 0 across ranks; got a 0-d tensor")
+    rows, n = src.shape[0], grp.size()
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs dim 0 ({rows}) divisible by the "
+                             f"number of ranks ({n}); pass splits=[rows for each rank]")
+        splits = [rows // n] * n
+    send_splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+    if len(send_splits) != n or (send_splits < 0).any() or send_splits.sum() != rows:
+        raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
+                         f"dim 0 ({rows}), got {list(np.asarray(splits).reshape(-1))}")
+    row_shape = tuple(src.shape[1:])
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
+
+    def run():
+        recv_splits = np.empty(n, np.int64)
+        grp.comm.Alltoall(send_splits, recv_splits)
+        out = tensors.empty_like(x, (int(recv_splits.sum()),) + row_shape)
+        dst = as_buffer(out, writable=True)
+        send_counts, recv_counts = list(send_splits * row_bytes), list(recv_splits * row_bytes)
+        with _host(src) as s, _host(dst, read=False, write=True) as d:
+            grp.comm.Alltoallv(
+                [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
+                 _displacements(send_counts), MPI.BYTE],
+                [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
+                 _displacements(recv_counts), MPI.BYTE])
+        return out, recv_splits
+    return name or "alltoall", run
+
+
+def _plan_barrier(group, name):
+    grp = runtime.resolve(group)
+    return name or "barrier", lambda: grp.comm.Barrier()
+
+
+# ---------------------------------------------------------------- public API
+
+def _run(plan) -> object:
+    name, thunk = plan
+    return runtime.executor().run(thunk, name)
+
+
+def _submit(plan) -> Work:
+    name, thunk = plan
+    return runtime.executor().submit(thunk, name)
+
+
+def allreduce(x, op=Average, group=None, name: Optional[str] = None):
+    """Reduce ``x`` over the ranks of ``group``; a new tensor holds the result."""
+    return _run(_plan_allreduce(x, op, group, name, inplace=False))
+
+
+def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
+    """``allreduce`` into ``x`` itself; returns ``x``."""
+    return _run(_plan_allreduce(x, op, group, name, inplace=True))
+
+
+def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_allreduce(x, op, group, name, inplace=False))
+
+
+def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_allreduce(x, op, group, name, inplace=True))
+
+
+def grouped_allreduce(xs, op=Average, group=None, name: Optional[str] = None) -> list:
+    """Allreduce a list of tensors in one fused call per dtype; new tensors."""
+    return _run(_plan_grouped_allreduce(xs, op, group, name, inplace=False))
+
+
+def grouped_allreduce_(xs, op=Average, group=None, name: Optional[str] = None) -> list:
+    return _run(_plan_grouped_allreduce(xs, op, group, name, inplace=True))
+
+
+def grouped_allreduce_async(xs, op=Average, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_grouped_allreduce(xs, op, group, name, inplace=False))
+
+
+def grouped_allreduce_async_(xs, op=Average, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_grouped_allreduce(xs, op, group, name, inplace=True))
+
+
+def allgather(x, group=None, name: Optional[str] = None):
+    """Concatenate every rank's ``x`` along dim 0 (dim-0 sizes may differ)."""
+    return _run(_plan_allgather(x, group, name))
+
+
+def allgather_async(x, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_allgather(x, group, name))
+
+
+def broadcast(x, root: int = 0, group=None, name: Optional[str] = None):
+    """``root``'s ``x`` on every rank, as a new tensor."""
+    return _run(_plan_broadcast(x, root, group, name, inplace=False))
+
+
+def broadcast_(x, root: int = 0, group=None, name: Optional[str] = None):
+    """Overwrite ``x`` with ``root``'s; returns ``x``."""
+    return _run(_plan_broadcast(x, root, group, name, inplace=True))
+
+
+def broadcast_async(x, root: int = 0, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_broadcast(x, root, group, name, inplace=False))
+
+
+def broadcast_async_(x, root: int = 0, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_broadcast(x, root, group, name, inplace=True))
+
+
+def reduce_scatter(x, op=Average, group=None, name: Optional[str] = None):
+    """Reduce ``x`` and give each rank its block of dim 0 (first ranks get the extra rows)."""
+    return _run(_plan_reduce_scatter(x, op, group, name))
+
+
+def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_reduce_scatter(x, op, group, name))
+
+
+def alltoall(x, splits=None, group=None, name: Optional[str] = None):
+    """Send row block ``splits[r]`` of ``x`` to rank r; returns (tensor, received splits)."""
+    return _run(_plan_alltoall(x, splits, group, name))
+
+
+def alltoall_async(x, splits=None, group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_alltoall(x, splits, group, name))
+
+
+def barrier(group=None, name: Optional[str] = None) -> None:
+    """Return once every rank of ``group`` has called it."""
+    _run(_plan_barrier(group, name))
+
+
+def barrier_async(group=None, name: Optional[str] = None) -> Work:
+    return _submit(_plan_barrier(group, name))

@@ -1,0 +1,86 @@
+"""The one place pycoll reads configuration.
+
+Precedence: keyword arguments to ``pycoll.init`` (or ``configure``), then ``PYCOLL_*``
+environment variables, then the defaults below. ``pycollrun`` turns each knob into a
+command-line flag that sets its variable, so this table is the only list of knobs.
+"""
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _bool(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def parse_slowdown(text: str) -> dict:
+    """``"1:3,4:1.5"`` -> ``{1: 3.0, 4: 1.5}`` (rank -> compute slowdown factor)."""
+    factors = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        rank, sep, factor = item.partition(":")
+        try:
+            rank, factor = int(rank), float(factor)
+        except ValueError:
+            raise ValueError(f"slowdown {item!r} is not RANK:FACTOR, e.g. 1:3") from None
+        if not sep or rank < 0 or factor < 1:
+            raise ValueError(f"slowdown {item!r}: need RANK >= 0 and FACTOR >= 1, e.g. 1:3")
+        factors[rank] = factor
+    return factors
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "PYCOLL_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+KNOBS = {k.name: k for k in (
+    Knob("timeout", 300.0, float,
+         "seconds a blocking call or Work.wait() waits before raising CollectiveTimeout"),
+    Knob("log_level", "warning", str.lower,
+         "logging level of the pycoll logger: debug, info, warning, error"),
+    Knob("cuda_aware_mpi", False, _bool,
+         "hand GPU buffers to MPI directly instead of staging them through host memory"),
+    Knob("slowdown", {}, parse_slowdown,
+         "RANK:FACTOR[,RANK:FACTOR]: pycoll.slowdown() makes these ranks' compute FACTOR times slower"),
+)}
+
+_overrides: dict = {}
+
+
+def configure(**kwargs) -> None:
+    """Override knobs for this process (what ``pycoll.init(**kwargs)`` calls)."""
+    for name, value in kwargs.items():
+        if name not in KNOBS:
+            raise TypeError(f"unknown pycoll option {name!r}; known: {', '.join(KNOBS)}")
+        knob = KNOBS[name]
+        _overrides[name] = knob.parse(value) if isinstance(value, str) else value
+
+
+def get(name: str) -> Any:
+    """The value of knob ``name``: override, then environment, then default."""
+    knob = KNOBS[name]
+    if name in _overrides:
+        return _overrides[name]
+    text = os.environ.get(knob.env)
+    if text is None:
+        return knob.default
+    try:
+        return knob.parse(text)
+    except ValueError as err:
+        raise ValueError(f"{knob.env}={text!r}: {err}") from None

@@ -1,0 +1,146 @@
+"""Process state: the world communicator, groups of ranks and the executor."""
+import logging
+from typing import Iterable, Optional
+
+from . import config
+from .work import Executor
+
+
+class Group:
+    """A set of ranks that collectives can run on (``group=``), with its own communicator.
+
+    ``ranks`` are ranks of the communicator pycoll was initialized with, in group order.
+    On a rank outside the group ``comm`` is None and collectives refuse the group.
+    """
+
+    def __init__(self, comm, ranks: tuple):
+        self.comm = comm
+        self.ranks = ranks
+
+    @property
+    def is_member(self) -> bool:
+        return self.comm is not None
+
+    def rank(self) -> int:
+        return self.comm.Get_rank() if self.comm is not None else -1
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"<pycoll.Group ranks={list(self.ranks)}>"
+
+
+class _State:
+    world: Optional[Group] = None
+    local_comm = None
+    executor: Optional[Executor] = None
+
+
+_state = _State()
+
+
+def init(comm=None, **options) -> None:
+    """Start pycoll on ``comm`` (default ``MPI.COMM_WORLD``); idempotent.
+
+    Keyword options override ``PYCOLL_*`` variables (see ``pycoll.config.KNOBS``).
+    """
+    from mpi4py import MPI
+    config.configure(**options)
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if _state.world is not None:
+        if MPI.Comm.Compare(_state.world.comm, comm) == MPI.UNEQUAL:
+            raise ValueError("pycoll is already initialized on another communicator; "
+                             "call pycoll.shutdown() before init() with a new one")
+        return
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise RuntimeError("pycoll runs MPI from a background thread and needs MPI initialized "
+                           "with at least MPI_THREAD_SERIALIZED; let mpi4py initialize MPI "
+                           "(its default is MPI_THREAD_MULTIPLE)")
+    # Our own duplicate: pycoll's traffic never matches the user's messages on ``comm``.
+    own = comm.Dup()
+    _state.world = Group(own, tuple(range(own.Get_size())))
+    _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
+    _state.executor = Executor()
+    log = logging.getLogger("pycoll")
+    log.setLevel(config.get("log_level").upper())
+    log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
+             _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
+
+
+def shutdown() -> None:
+    """Release pycoll's communicators; ``init`` may be called again afterwards."""
+    if _state.world is None:
+        return
+    _state.executor.run(lambda: None, "shutdown")     # drain what is queued
+    _state.local_comm.Free()
+    _state.world.comm.Free()
+    _state.world = _state.local_comm = _state.executor = None
+
+
+def is_initialized() -> bool:
+    return _state.world is not None
+
+
+def world() -> Group:
+    if _state.world is None:
+        raise ValueError("pycoll has not been initialized; call pycoll.init() first")
+    return _state.world
+
+
+def executor() -> Executor:
+    world()
+    return _state.executor
+
+
+def rank() -> int:
+    return world().rank()
+
+
+def size() -> int:
+    return world().size()
+
+
+def local_rank() -> int:
+    world()
+    return _state.local_comm.Get_rank()
+
+
+def local_size() -> int:
+    world()
+    return _state.local_comm.Get_size()
+
+
+def new_group(ranks: Iterable[int]) -> Group:
+    """A group of the given world ranks. Only its members need to call this."""
+    from mpi4py import MPI
+    parent = world().comm
+    ranks = [int(r) for r in ranks]
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < parent.size for r in ranks):
+        raise ValueError(f"new_group needs distinct ranks in [0, {parent.size}), got {ranks}")
+    ranks = tuple(sorted(ranks))
+    if parent.rank not in ranks:
+        return Group(None, ranks)
+
+    def create():
+        members = parent.Get_group().Incl(list(ranks))
+        try:
+            return parent.Create_group(members)
+        finally:
+            members.Free()
+    return Group(executor().run(create, f"new_group({list(ranks)})"), ranks)
+
+
+def resolve(group) -> Group:
+    """``group=`` as users pass it: None (world), a Group or an mpi4py communicator."""
+    if group is None:
+        return world()
+    if isinstance(group, Group):
+        if not group.is_member:
+            raise ValueError(f"rank {world().rank()} is not a member of {group}; "
+                             "only its members may run collectives on it")
+        return group
+    if hasattr(group, "Get_size") and hasattr(group, "Allreduce"):
+        return Group(group, tuple(range(group.Get_size())))
+    raise TypeError(f"group must be None, a pycoll.Group or an mpi4py communicator, "
+                    f"got {type(group).__name__}")

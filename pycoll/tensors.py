@@ -1,0 +1,216 @@
+"""One adapter from numpy / torch / cupy / any array to a raw buffer description.
+
+Tried in order: the buffer protocol (numpy and friends), then DLPack (torch, cupy,
+jax), then ``__cuda_array_interface__`` (cupy, numba, and the fake GPU arrays of the
+tests). Nothing is copied: a ``Buffer`` points into the caller's memory and keeps
+the owner alive.
+"""
+import ctypes
+import sys
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import numpy as np
+
+DTYPES = ("float16", "bfloat16", "float32", "float64",
+          "int8", "int16", "int32", "int64", "uint8")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1}
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+# DLPack's (type code, bits) -> our dtype name; codes: 0 int, 1 uint, 2 float, 4 bfloat.
+_DLPACK_DTYPES = {(2, 16): "float16", (4, 16): "bfloat16", (2, 32): "float32",
+                  (2, 64): "float64", (0, 8): "int8", (0, 16): "int16",
+                  (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8"}
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Where a tensor's bytes live. ``owner`` keeps the memory alive."""
+    ptr: int
+    nbytes: int
+    dtype: str
+    shape: Tuple[int, ...]
+    device: str          # "cpu" or "cuda"
+    device_id: int
+    readonly: bool
+    owner: Any
+
+    @property
+    def count(self) -> int:
+        return self.nbytes // ITEMSIZE[self.dtype]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def _describe(x) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def _check_dtype(name: str, x) -> str:
+    if name not in ITEMSIZE:
+        raise TypeError(f"pycoll does not support dtype {name} (of a {_describe(x)}); "
+                        f"supported: {', '.join(DTYPES)}. Cast the tensor first.")
+    return name
+
+
+def _contiguous(shape, strides) -> bool:
+    """C-contiguous? ``strides`` in elements; extents of 1 may have any stride."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for extent, stride in zip(reversed(shape), reversed(strides)):
+        if extent != 1 and stride != expected:
+            return False
+        expected *= extent
+    return True
+
+
+def _not_contiguous(x) -> ValueError:
+    fix = ".contiguous()" if hasattr(x, "contiguous") else "numpy.ascontiguousarray(x)"
+    return ValueError(f"pycoll needs a contiguous tensor, got a non-contiguous {_describe(x)}; "
+                      f"pass {fix} (and copy the result back if you need it in place)")
+
+
+def _from_numpy(a: np.ndarray) -> Buffer:
+    name = _check_dtype("bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name, a)
+    if not a.flags.c_contiguous:
+        raise _not_contiguous(a)
+    return Buffer(a.ctypes.data, a.nbytes, name, a.shape, "cpu", 0,
+                  not a.flags.writeable, a)
+
+
+def _from_dlpack(x) -> Buffer:
+    if getattr(x, "requires_grad", False):
+        x = x.detach()                      # torch refuses to export a tensor that needs grad
+    capsule = x.__dlpack__()
+    getptr = ctypes.pythonapi.PyCapsule_GetPointer
+    getptr.restype, getptr.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = ctypes.cast(getptr(capsule, b"dltensor"), ctypes.POINTER(_DLTensor)).contents
+    ndim = managed.ndim
+    shape = tuple(managed.shape[i] for i in range(ndim))
+    code, bits, lanes = managed.dtype.code, managed.dtype.bits, managed.dtype.lanes
+    name = _DLPACK_DTYPES.get((code, bits)) if lanes == 1 else None
+    if name is None:
+        _check_dtype(str(getattr(x, "dtype", f"DLPack({code}, {bits}, {lanes})")), x)
+    if managed.strides and not _contiguous(shape, [managed.strides[i] for i in range(ndim)]):
+        raise _not_contiguous(x)
+    device_type = managed.device.device_type
+    if device_type in (_DL_CPU, _DL_CUDA_HOST):
+        device = "cpu"
+    elif device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        device = "cuda"
+    else:
+        raise TypeError(f"pycoll supports CPU and CUDA memory; this {_describe(x)} lives on "
+                        f"DLPack device type {device_type}. Move it to the CPU or a CUDA GPU.")
+    count = int(np.prod(shape, dtype=np.int64))
+    # The capsule stays in ``owner``: its destructor frees the export only after we are done.
+    return Buffer((managed.data or 0) + managed.byte_offset, count * ITEMSIZE[name], name,
+                  shape, device, managed.device.device_id, False, (x, capsule))
+
+
+def _from_cuda_array_interface(x) -> Buffer:
+    cai = x.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    name = _check_dtype("bfloat16" if dtype.name == "bfloat16" else dtype.name, x)
+    strides = cai.get("strides")
+    if strides is not None and not _contiguous(shape, [s / dtype.itemsize for s in strides]):
+        raise _not_contiguous(x)
+    ptr, readonly = cai["data"]
+    count = int(np.prod(shape, dtype=np.int64))
+    return Buffer(ptr or 0, count * dtype.itemsize, name, shape, "cuda",
+                  _cuda_device_of(x), bool(readonly), x)
+
+
+def _cuda_device_of(x) -> int:
+    device = getattr(x, "device", None)
+    index = getattr(device, "index", None) if device is not None else None
+    if index is None:
+        index = getattr(device, "id", 0)
+    return int(index or 0)
+
+
+def as_buffer(x, writable: bool = False) -> Buffer:
+    """Describe ``x``'s memory; ``writable`` for in-place operations and outputs."""
+    if isinstance(x, np.ndarray):
+        buf = _from_numpy(x)
+    elif _has_buffer_protocol(x):
+        buf = _from_numpy(np.asarray(memoryview(x)))
+    elif hasattr(x, "__dlpack__"):
+        buf = _from_dlpack(x)
+    elif hasattr(x, "__cuda_array_interface__"):
+        buf = _from_cuda_array_interface(x)
+    else:
+        raise TypeError(f"pycoll cannot read a {_describe(x)}: pass a numpy array, a torch "
+                        "tensor, a cupy array or any object with the buffer protocol, "
+                        "DLPack or __cuda_array_interface__")
+    if writable and buf.readonly:
+        raise ValueError(f"this {_describe(x)} is read-only and the operation writes into it; "
+                         "use the out-of-place form or pass a writable copy")
+    return buf
+
+
+def _has_buffer_protocol(x) -> bool:
+    try:
+        memoryview(x)
+    except (TypeError, ValueError):     # ValueError: numpy dtypes PEP 3118 cannot name
+        return False
+    return True
+
+
+def as_array(x):
+    """``x`` itself if it is an array, else (bytes, memoryview, ...) a numpy view of it."""
+    return x if hasattr(x, "dtype") or not _has_buffer_protocol(x) else np.asarray(memoryview(x))
+
+
+def empty_like(x, shape):
+    """A new uninitialized array of ``x``'s kind, dtype and device, with ``shape``."""
+    x = as_array(x)
+    if hasattr(x, "new_empty"):                                   # torch
+        return x.new_empty(tuple(shape))
+    if isinstance(x, np.ndarray):
+        return np.empty(tuple(shape), dtype=x.dtype)
+    module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes
+    return module.empty(tuple(shape), dtype=x.dtype)
+
+
+def clone(x):
+    """A copy of ``x`` of the same kind (the output of an out-of-place operation)."""
+    x = as_array(x)
+    if hasattr(x, "clone"):                                       # torch
+        return x.detach().clone()
+    return x.copy()
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    """``DLManagedTensor`` begins with its ``DLTensor``: reading the capsule as one is safe."""
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+def copy_device(dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` between host and CUDA memory, either way; returns when done."""
+    from . import _C
+    if _C.has_cuda():
+        _C.cuda_memcpy(dst, src, nbytes)
+        _C.cuda_synchronize()
+        return
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("CUDA tensors need pycoll built with its CUDA kernels "
+                           "(PYCOLL_WITH_CUDA=1 pip install pycoll) or cupy installed") from None
+    cupy.cuda.runtime.memcpy(dst, src, nbytes, cupy.cuda.runtime.memcpyDefault)

@@ -1,0 +1,41 @@
+"""Fake GPU arrays: host memory behind ``__cuda_array_interface__`` only.
+
+They drive pycoll's CUDA code paths on machines without a GPU; the tests swap
+``pycoll.tensors.copy_device`` for a host memmove that counts its calls.
+"""
+import ctypes
+
+import numpy as np
+
+
+class FakeCudaArray:
+    def __init__(self, host: np.ndarray):
+        self.host = np.ascontiguousarray(host)
+        self.shape, self.dtype = self.host.shape, self.host.dtype
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
+                "data": (self.host.ctypes.data, not self.host.flags.writeable), "strides": None}
+
+    def copy(self):
+        return FakeCudaArray(self.host.copy())
+
+    def get(self) -> np.ndarray:
+        return self.host
+
+
+def empty(shape, dtype):
+    """What ``cupy.empty`` would be: pycoll allocates outputs through the array's module."""
+    return FakeCudaArray(np.empty(shape, dtype))
+
+
+class CountingCopy:
+    """Stands in for a device memcpy."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, dst: int, src: int, nbytes: int) -> None:
+        self.calls += 1
+        ctypes.memmove(dst, src, nbytes)

@@ -1,0 +1,254 @@
+"""Collectives against numpy, at any number of ranks (run under mpiexec -n 1..4).
+
+Every rank builds every rank's input from (dtype, shape, rank), so each can compute
+the expected result itself: assertions hold at any size.
+"""
+import numpy as np
+import pytest
+
+import fakegpu
+import pycoll
+from pycoll import tensors
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"]
+OPS = ["Sum", "Average", "Min", "Max", "Product"]
+SHAPES = [(0,), (1,), (7,), (33, 5)]
+
+
+def np_dtype(dtype):
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def rank_input(dtype, shape, rank, op="Sum"):
+    """Small integers, exact in every dtype, so sums and products are exact."""
+    n = int(np.prod(shape))
+    values = (np.arange(n) * 7 + rank * 3) % 5 - (0 if dtype == "uint8" else 2)
+    if op == "Product":
+        values = values % 2 + 1                       # 1 or 2: products stay exact
+    return values.astype(np.float64).reshape(shape)
+
+
+def expected_reduce(dtype, shape, size, op):
+    xs = np.stack([rank_input(dtype, shape, r, op) for r in range(size)])
+    return {"Sum": xs.sum(0), "Average": xs.mean(0), "Min": xs.min(0), "Max": xs.max(0),
+            "Product": xs.prod(0)}[op]
+
+
+def make(values, dtype, kind):
+    host = values.astype(np_dtype(dtype))
+    if kind == "numpy":
+        return host
+    if kind == "torch":
+        if dtype == "bfloat16":
+            return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(host)
+    if dtype == "bfloat16":
+        pytest.skip("__cuda_array_interface__ has no bfloat16 typestr (CUDA torch uses DLPack)")
+    return fakegpu.FakeCudaArray(host)
+
+
+def to_numpy(x):
+    if isinstance(x, fakegpu.FakeCudaArray):
+        x = x.get()
+    if isinstance(x, torch.Tensor):
+        x = x.float() if x.dtype == torch.bfloat16 else x
+        x = x.numpy()
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_matches(result, expected, dtype):
+    tol = {"float16": 1e-3, "bfloat16": 1e-2}.get(dtype, 1e-12)
+    expected = expected.astype(np_dtype(dtype)).astype(np.float64)
+    np.testing.assert_allclose(to_numpy(result), expected, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    copy = fakegpu.CountingCopy()
+    monkeypatch.setattr(tensors, "copy_device", copy)
+    return copy
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_allreduce_every_dtype_and_op(group, dtype, op, shape):
+    arg, rank, size = group
+    x = make(rank_input(dtype, shape, rank, op), dtype, "numpy")
+    if op == "Average" and dtype.startswith(("int", "uint")):
+        with pytest.raises(TypeError, match="Average"):
+            pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+        return
+    before = x.copy()
+    y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_matches(y, expected_reduce(dtype, shape, size, op), dtype)
+    np.testing.assert_array_equal(x, before)          # out of place leaves x alone
+    assert pycoll.allreduce_(x, op=getattr(pycoll, op), group=arg) is x
+    assert_matches(x, expected_reduce(dtype, shape, size, op), dtype)
+
+
+@pytest.mark.parametrize("kind", ["torch", "fake_cuda"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int64"])
+def test_allreduce_torch_and_cuda_arrays(group, kind, dtype, fake_device):
+    arg, rank, size = group
+    x = make(rank_input(dtype, (5, 3), rank), dtype, kind)
+    y = pycoll.allreduce(x, op=pycoll.Sum, group=arg)
+    assert type(y) is type(x)
+    assert_matches(y, expected_reduce(dtype, (5, 3), size, "Sum"), dtype)
+    pycoll.allreduce_async_(x, op=pycoll.Max, group=arg).wait()
+    assert_matches(x, expected_reduce(dtype, (5, 3), size, "Max"), dtype)
+    assert (fake_device.calls > 0) == (kind == "fake_cuda")   # staged through host memory
+
+
+def test_async_work_contract(group):
+    arg, rank, size = group
+    works = [pycoll.allreduce_async(np.full(100, rank + i, np.float32), op=pycoll.Sum, group=arg)
+             for i in range(10)]
+    results = [w.wait(timeout=60) for w in works]
+    for i, (w, y) in enumerate(zip(works, results)):
+        assert w.is_completed() and w.exception() is None
+        np.testing.assert_array_equal(y, sum(r + i for r in range(size)))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+def test_grouped_allreduce_mixed_dtypes(group, kind, fake_device):
+    arg, rank, size = group
+    specs = [("float32", (3, 4)), ("float64", (0,)), ("bfloat16", (7,)), ("float32", (1,)),
+             ("float16", (129,))]
+    xs = [make(rank_input(d, s, rank), d, kind) for d, s in specs]
+    ys = pycoll.grouped_allreduce(xs, group=arg)
+    for y, (d, s) in zip(ys, specs):
+        assert_matches(y, expected_reduce(d, s, size, "Average"), d)
+    pycoll.grouped_allreduce_async_(xs, op=pycoll.Sum, group=arg).wait()
+    for x, (d, s) in zip(xs, specs):
+        assert_matches(x, expected_reduce(d, s, size, "Sum"), d)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_uneven_rows(group, kind, dtype, fake_device):
+    arg, rank, size = group
+    rows = lambda r: (r * 2 + 1) % 4               # noqa: E731 - includes ranks with 0 rows
+    x = make(rank_input(dtype, (rows(rank), 3), rank), dtype, kind)
+    y = pycoll.allgather(x, group=arg)
+    expected = np.concatenate([rank_input(dtype, (rows(r), 3), r) for r in range(size)])
+    assert tuple(y.shape) == expected.shape
+    assert_matches(y, expected, dtype)
+
+
+def test_allgather_mismatched_row_shape_raises_on_every_rank(group):
+    arg, rank, size = group
+    if size < 2:
+        pytest.skip("needs two ranks")
+    x = np.zeros((2, 3 if rank else 4), np.float32)
+    with pytest.raises(ValueError, match="every dim but the first"):
+        pycoll.allgather(x, group=arg)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(group, kind, dtype, fake_device):
+    arg, rank, size = group
+    for root in range(size):
+        x = make(rank_input(dtype, (6, 2), rank), dtype, kind)
+        assert_matches(pycoll.broadcast(x, root=root, group=arg),
+                       rank_input(dtype, (6, 2), root), dtype)
+        assert_matches(x, rank_input(dtype, (6, 2), rank), dtype)
+        pycoll.broadcast_(x, root=root, group=arg)
+        assert_matches(x, rank_input(dtype, (6, 2), root), dtype)
+
+
+def test_broadcast_bad_root(group):
+    arg, rank, size = group
+    with pytest.raises(ValueError, match="root must be a rank"):
+        pycoll.broadcast(np.zeros(3), root=size, group=arg)
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+@pytest.mark.parametrize("rows", [0, 1, 7])
+def test_reduce_scatter(group, op, dtype, rows):
+    arg, rank, size = group
+    if op == "Average" and dtype == "int32":
+        return
+    x = make(rank_input(dtype, (rows, 2), rank), dtype, "numpy")
+    y = pycoll.reduce_scatter(x, op=getattr(pycoll, op), group=arg)
+    full = expected_reduce(dtype, (rows, 2), size, op)
+    counts = [rows // size + (r < rows % size) for r in range(size)]
+    start = sum(counts[:rank])
+    assert_matches(y, full[start:start + counts[rank]], dtype)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_alltoall(group, kind, uneven, fake_device):
+    arg, rank, size = group
+    # rank s sends splits(s)[d] rows to rank d; row values encode (sender, receiver).
+    splits = lambda s: [(s + d) % 3 if uneven else 2 for d in range(size)]   # noqa: E731
+
+    def block(s, d):
+        return np.full((splits(s)[d], 2), 10 * s + d, np.float64)
+    x = make(np.concatenate([block(rank, d) for d in range(size)]), "float32", kind)
+    y, received = pycoll.alltoall(x, splits=splits(rank) if uneven else None, group=arg)
+    assert list(received) == [splits(s)[rank] for s in range(size)]
+    assert_matches(y, np.concatenate([block(s, rank) for s in range(size)]), "float32")
+
+
+def test_alltoall_bad_splits(group):
+    arg, rank, size = group
+    with pytest.raises(ValueError, match="splits"):
+        pycoll.alltoall(np.zeros((size + 1, 2)), splits=[1] * size, group=arg)
+    if size > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            pycoll.alltoall(np.zeros((size + 1, 2)), group=arg)
+
+
+def test_barrier(group):
+    arg, rank, size = group
+    pycoll.barrier(group=arg)
+    pycoll.barrier_async(group=arg).wait(timeout=60)
+
+
+LARGE = 17 * 2**20        # float32 elements: 68 MiB, above 64 MiB
+
+
+def test_large_tensors(pycoll_world):
+    rank, size = pycoll.rank(), pycoll.size()
+    x = np.full(LARGE, rank + 1, np.float32)
+    x[-1] = rank
+    y = pycoll.allreduce(x, op=pycoll.Sum)
+    assert y[0] == size * (size + 1) / 2 and y[-1] == size * (size - 1) / 2
+    assert (y[:-1] == y[0]).all()
+    del y
+    g = pycoll.allgather(x[: LARGE // size])
+    assert g.shape == (LARGE // size * size,) and g[-2] == size
+    del g
+    b = pycoll.broadcast(x, root=size - 1)
+    assert b[0] == size and b[-1] == size - 1
+    del b
+    rs = pycoll.reduce_scatter(x, op=pycoll.Max)
+    assert rs.size in (LARGE // size, LARGE // size + 1) and rs[0] == size
+    del rs
+    a, _ = pycoll.alltoall(x[: LARGE // size * size])
+    assert a.size == LARGE // size * size and a[0] == 1 and a[-2] == size
+
+
+def test_group_membership_and_rank_checks(pycoll_world):
+    size = pycoll.size()
+    with pytest.raises(ValueError, match="distinct ranks"):
+        pycoll.new_group([0, 0])
+    with pytest.raises(ValueError, match="distinct ranks"):
+        pycoll.new_group([size])
+    if size > 1:
+        g = pycoll.new_group([0])
+        if pycoll.rank() != 0:
+            with pytest.raises(ValueError, match="not a member"):
+                pycoll.allreduce(np.zeros(2), group=g)
+        else:
+            np.testing.assert_array_equal(pycoll.allreduce(np.ones(2), group=g), np.ones(2))

@@ -1,0 +1,97 @@
+"""The tensor adapter: what it accepts, and the errors that say how to fix the rest."""
+import numpy as np
+import pytest
+
+import fakegpu
+from pycoll import tensors
+from pycoll.tensors import as_buffer
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32",
+                                   "int64", "uint8"])
+def test_numpy_torch_and_cuda_interface_agree(dtype):
+    a = np.arange(12).astype(dtype).reshape(3, 4)
+    t = torch.from_numpy(a)
+    f = fakegpu.FakeCudaArray(a)
+    for buf, device in ((as_buffer(a), "cpu"), (as_buffer(t), "cpu"), (as_buffer(f), "cuda")):
+        assert (buf.ptr, buf.nbytes, buf.dtype, tuple(buf.shape)) == \
+               (a.ctypes.data, a.nbytes, dtype, (3, 4))
+        assert buf.device == device and buf.count == 12
+
+
+def test_bfloat16_from_torch_and_ml_dtypes():
+    t = torch.zeros(5, dtype=torch.bfloat16)
+    a = np.zeros(5, ml_dtypes.bfloat16)
+    assert as_buffer(t).dtype == as_buffer(a).dtype == "bfloat16"
+    assert as_buffer(t).nbytes == as_buffer(a).nbytes == 10
+
+
+def test_views_with_offsets_and_torch_requires_grad():
+    t = torch.arange(10, dtype=torch.float32)
+    view = t[3:]
+    assert as_buffer(view).ptr == t.data_ptr() + 12
+    assert as_buffer(np.arange(10.0)[3:]).nbytes == 56
+    p = torch.nn.Parameter(torch.ones(4))
+    assert as_buffer(p).ptr == p.data_ptr()
+
+
+def test_buffer_protocol_objects():
+    buf = as_buffer(bytearray(8))
+    assert buf.dtype == "uint8" and buf.nbytes == 8 and not buf.readonly
+    assert as_buffer(b"abc").readonly
+    assert isinstance(tensors.clone(bytearray(b"ab")), np.ndarray)
+
+
+def test_empty_and_zero_dim():
+    assert as_buffer(np.zeros((0, 3), np.float32)).nbytes == 0
+    assert as_buffer(torch.zeros(0)).nbytes == 0
+    assert as_buffer(torch.tensor(2.0)).shape == ()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.zeros((4, 4), np.float32)[:, ::2],
+    lambda: torch.zeros(4, 4).t(),
+    lambda: fakegpu_view(),
+])
+def test_non_contiguous_is_refused_with_the_fix(make):
+    with pytest.raises(ValueError, match="contiguous"):
+        as_buffer(make())
+
+
+def fakegpu_view():
+    arr = fakegpu.FakeCudaArray(np.zeros((4, 4), np.float32))
+    cai = dict(arr.__cuda_array_interface__, shape=(4, 2), strides=(16, 8))
+    return type("Strided", (), {"__cuda_array_interface__": cai})()
+
+
+@pytest.mark.parametrize("x", [np.zeros(3, bool), torch.zeros(3, dtype=torch.bool),
+                               np.zeros(3, np.complex64), torch.zeros(3, dtype=torch.complex64)])
+def test_unsupported_dtype_names_the_supported_ones(x):
+    with pytest.raises(TypeError, match="supported: float16"):
+        as_buffer(x)
+
+
+def test_unsupported_object():
+    with pytest.raises(TypeError, match="numpy array, a torch tensor"):
+        as_buffer([1, 2, 3])
+
+
+def test_read_only_refused_for_writes_only():
+    a = np.zeros(3)
+    a.flags.writeable = False
+    assert as_buffer(a).readonly
+    with pytest.raises(ValueError, match="read-only"):
+        as_buffer(a, writable=True)
+
+
+def test_outputs_keep_the_kind_of_the_input():
+    for x in (np.zeros((2, 3), np.float32), torch.zeros(2, 3, dtype=torch.bfloat16),
+              fakegpu.FakeCudaArray(np.zeros((2, 3), np.int8))):
+        for y in (tensors.empty_like(x, (5, 3)), tensors.clone(x)):
+            assert type(y) is type(x) and y.dtype == x.dtype
+        assert tuple(tensors.empty_like(x, (5, 3)).shape) == (5, 3)

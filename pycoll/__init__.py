@@ -24,7 +24,7 @@ _COLLECTIVES = (
     "grouped_allreduce_async_", "allgather", "allgather_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "reduce_scatter", "reduce_scatter_async", "alltoall", "alltoall_async",
-    "barrier", "barrier_async",
+    "barrier", "barrier_async", "flush",
 )
 
 __all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",

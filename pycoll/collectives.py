@@ -1,14 +1,14 @@
 """Collectives on MPI through mpi4py.
 
 Each collective is planned in the caller's thread (inputs checked, outputs allocated)
-and returns a thunk that the executor runs in issue order: ``allreduce`` runs it and
+and handed to the engine, which runs it in issue order: ``allreduce`` runs it and
 returns the result, ``allreduce_async`` returns a ``Work``. Trailing-underscore forms
 work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
 import enum
 from contextlib import ExitStack, contextmanager
-from typing import Callable, List, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -94,56 +94,82 @@ def _same_kind(inputs: Sequence[Buffer]) -> None:
 # Each returns (name, thunk). Checks and allocation happen here, in the caller's
 # thread, so bad input raises at the call and nothing is queued.
 
-def _plan_allreduce(x, op, group, name, inplace):
+class _Allreduce(NamedTuple):
+    """One tensor's allreduce, ready to run alone or fused with others of its key."""
+    src: Buffer
+    dst: Buffer
+    out: Any
+    op: ReduceOp
+    grp: runtime.Group
+
+    @property
+    def key(self) -> tuple:
+        return self.src.dtype, self.src.device, self.op, id(self.grp.comm)
+
+
+def _allreduce_item(x, op, group, inplace) -> _Allreduce:
     op, grp = _reduce_op(op), runtime.resolve(group)
     src = as_buffer(x, writable=inplace)
     _check_reduction(op, src)
     out = x if inplace else tensors.empty_like(x, src.shape)
-    dst = as_buffer(out, writable=True)
+    return _Allreduce(src, src if inplace else as_buffer(out, writable=True), out, op, grp)
 
-    def run():
-        with _host(src) as s, _host(dst, read=False, write=True) as d:
-            send = MPI.IN_PLACE if s == d else _msg(s, src.nbytes, src.dtype)
-            grp.comm.Allreduce(send, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, src.dtype))
-            if op is Average:
-                _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
-        return out
-    return name or "allreduce", run
+
+def _allreduce_one(item: _Allreduce):
+    """In MPI's hands directly: no copy unless CUDA memory must be staged."""
+    src, dst, grp = item.src, item.dst, item.grp
+    with _host(src) as s, _host(dst, read=False, write=True) as d:
+        send = MPI.IN_PLACE if s == d else _msg(s, src.nbytes, src.dtype)
+        grp.comm.Allreduce(send, _msg(d, dst.nbytes, dst.dtype), _mpi_op(item.op, src.dtype))
+        if item.op is Average:
+            _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
+    return item.out
+
+
+def _allreduce_fused(items: List[_Allreduce]) -> None:
+    """One MPI call for many same-key tensors: pack, reduce, unpack (+ Average's scale)."""
+    first = items[0]
+    sizes = [it.src.nbytes for it in items]
+    fusion = runtime.engine().fusion_buffer(sum(sizes))
+    with ExitStack() as stack:
+        _C.pack(fusion.ctypes.data, [stack.enter_context(_host(it.src)) for it in items], sizes)
+    first.grp.comm.Allreduce(MPI.IN_PLACE, _msg(fusion.ctypes.data, fusion.nbytes,
+                                                first.src.dtype),
+                             _mpi_op(first.op, first.src.dtype))
+    scale = 1.0 / first.grp.size() if first.op is Average else 1.0
+    with ExitStack() as stack:
+        outs = [stack.enter_context(_host(it.dst, read=False, write=True)) for it in items]
+        _C.unpack(fusion.ctypes.data, outs, sizes, first.src.dtype, scale)
+
+
+def _allreduce_batch(items: List[_Allreduce]) -> list:
+    """Same-key allreduces in fusion-buffer-sized chunks; a tensor that fills a chunk
+    by itself goes alone, without a copy. Returns the outputs."""
+    threshold = config.get("fusion_threshold")
+    chunk: List[_Allreduce] = []
+    size = 0
+    for item in items + [None]:
+        if chunk and (item is None or size + item.src.nbytes > threshold):
+            _allreduce_fused(chunk) if len(chunk) > 1 else _allreduce_one(chunk[0])
+            chunk, size = [], 0
+        if item is not None:
+            chunk.append(item)
+            size += item.src.nbytes
+    return [item.out for item in items]
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
-    op, grp = _reduce_op(op), runtime.resolve(group)
-    xs = list(xs)
-    srcs = [as_buffer(x, writable=inplace) for x in xs]
-    _same_kind(srcs)
-    for buf in srcs:
-        _check_reduction(op, buf)
-    outs = xs if inplace else [tensors.empty_like(x, b.shape) for x, b in zip(xs, srcs)]
-    dsts = srcs if inplace else [as_buffer(o, writable=True) for o in outs]
-    by_dtype: dict = {}
-    for i, buf in enumerate(srcs):
-        by_dtype.setdefault(buf.dtype, []).append(i)
+    items = [_allreduce_item(x, op, group, inplace) for x in xs]
+    _same_kind([it.src for it in items])
+    by_key: dict = {}
+    for item in items:
+        by_key.setdefault(item.key, []).append(item)
 
     def run():
-        for dtype, idx in by_dtype.items():
-            _fused_allreduce([srcs[i] for i in idx], [dsts[i] for i in idx], dtype, op, grp)
-        return outs
+        for same in by_key.values():
+            _allreduce_batch(same)
+        return [item.out for item in items]
     return name or "grouped_allreduce", run
-
-
-def _fused_allreduce(srcs: List[Buffer], dsts: List[Buffer], dtype: str, op, grp) -> None:
-    """One MPI call for many same-dtype tensors: pack, reduce, unpack (+ Average's scale)."""
-    sizes = [b.nbytes for b in srcs]
-    fusion = np.empty(sum(sizes), np.uint8)
-    with ExitStack() as stack:
-        ins = [stack.enter_context(_host(b)) for b in srcs]
-        _C.pack(fusion.ctypes.data, ins, sizes)
-    grp.comm.Allreduce(MPI.IN_PLACE, _msg(fusion.ctypes.data, fusion.nbytes, dtype),
-                       _mpi_op(op, dtype))
-    scale = 1.0 / grp.size() if op is Average else 1.0
-    with ExitStack() as stack:
-        outs = [stack.enter_context(_host(b, read=False, write=True)) for b in dsts]
-        _C.unpack(fusion.ctypes.data, outs, sizes, dtype, scale)
 
 
 def _plan_allgather(x, group, name):
@@ -265,30 +291,43 @@ def _plan_barrier(group, name):
 
 def _run(plan) -> object:
     name, thunk = plan
-    return runtime.executor().run(thunk, name)
+    return runtime.engine().run(thunk, name)
 
 
 def _submit(plan) -> Work:
     name, thunk = plan
-    return runtime.executor().submit(thunk, name)
+    return runtime.engine().submit(thunk, name)
+
+
+def _submit_allreduce(item: _Allreduce, name: Optional[str]) -> Work:
+    return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_batch,
+                                           name or "allreduce")
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     """Reduce ``x`` over the ranks of ``group``; a new tensor holds the result."""
-    return _run(_plan_allreduce(x, op, group, name, inplace=False))
+    item = _allreduce_item(x, op, group, inplace=False)
+    return runtime.engine().run(lambda: _allreduce_one(item), name or "allreduce")
 
 
 def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
-    return _run(_plan_allreduce(x, op, group, name, inplace=True))
+    item = _allreduce_item(x, op, group, inplace=True)
+    return runtime.engine().run(lambda: _allreduce_one(item), name or "allreduce")
 
 
 def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_allreduce(x, op, group, name, inplace=False))
+    """Start an allreduce; consecutive async allreduces are fused (PYCOLL_FUSION_THRESHOLD)."""
+    return _submit_allreduce(_allreduce_item(x, op, group, inplace=False), name)
 
 
 def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_allreduce(x, op, group, name, inplace=True))
+    return _submit_allreduce(_allreduce_item(x, op, group, inplace=True), name)
+
+
+def flush() -> None:
+    """Start the pending fused batch now instead of when a result is waited for."""
+    runtime.engine().flush()
 
 
 def grouped_allreduce(xs, op=Average, group=None, name: Optional[str] = None) -> list:

@@ -52,6 +52,8 @@ class Knob:
 KNOBS = {k.name: k for k in (
     Knob("timeout", 300.0, float,
          "seconds a blocking call or Work.wait() waits before raising CollectiveTimeout"),
+    Knob("fusion_threshold", 64 * 2**20, int,
+         "bytes: allreduces issued one after another are fused into batches up to this size"),
     Knob("log_level", "warning", str.lower,
          "logging level of the pycoll logger: debug, info, warning, error"),
     Knob("cuda_aware_mpi", False, _bool,

@@ -1,9 +1,9 @@
-"""Process state: the world communicator, groups of ranks and the executor."""
+"""Process state: the world communicator, groups of ranks and the engine."""
 import logging
 from typing import Iterable, Optional
 
 from . import config
-from .work import Executor
+from .engine import Engine
 
 
 class Group:
@@ -34,7 +34,7 @@ class Group:
 class _State:
     world: Optional[Group] = None
     local_comm = None
-    executor: Optional[Executor] = None
+    engine: Optional[Engine] = None
 
 
 _state = _State()
@@ -61,7 +61,7 @@ def init(comm=None, **options) -> None:
     own = comm.Dup()
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
-    _state.executor = Executor()
+    _state.engine = Engine()
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
     log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
@@ -72,10 +72,10 @@ def shutdown() -> None:
     """Release pycoll's communicators; ``init`` may be called again afterwards."""
     if _state.world is None:
         return
-    _state.executor.run(lambda: None, "shutdown")     # drain what is queued
+    _state.engine.run(lambda: None, "shutdown")       # drain what is queued
     _state.local_comm.Free()
     _state.world.comm.Free()
-    _state.world = _state.local_comm = _state.executor = None
+    _state.world = _state.local_comm = _state.engine = None
 
 
 def is_initialized() -> bool:
@@ -88,9 +88,9 @@ def world() -> Group:
     return _state.world
 
 
-def executor() -> Executor:
+def engine() -> Engine:
     world()
-    return _state.executor
+    return _state.engine
 
 
 def rank() -> int:
@@ -128,7 +128,7 @@ def new_group(ranks: Iterable[int]) -> Group:
             return parent.Create_group(members)
         finally:
             members.Free()
-    return Group(executor().run(create, f"new_group({list(ranks)})"), ranks)
+    return Group(engine().run(create, f"new_group({list(ranks)})"), ranks)
 
 
 def resolve(group) -> Group:

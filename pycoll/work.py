@@ -1,5 +1,4 @@
-"""Work handles and the executor that runs a process's collectives in order."""
-import collections
+"""The handle of an operation that may still be running."""
 import threading
 from typing import Any, Callable, Optional
 
@@ -14,11 +13,13 @@ class Work:
     """The handle of an operation that may still be running.
 
     ``wait(timeout)`` returns its result or raises its error; ``is_completed()`` and
-    ``exception()`` never block.
+    ``exception()`` never block. Each of them first calls ``on_wait`` (the engine's
+    flush: an operation whose result is asked for must be on its way).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None):
         self.name = name
+        self._on_wait = on_wait or (lambda: None)
         self._done = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -28,14 +29,17 @@ class Work:
         self._done.set()
 
     def is_completed(self) -> bool:
+        self._on_wait()
         return self._done.is_set()
 
     def exception(self) -> Optional[BaseException]:
         """The error the operation raised, None if it succeeded or is still running."""
+        self._on_wait()
         return self._error
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (at most ``timeout`` s, default PYCOLL_TIMEOUT); the result."""
+        self._on_wait()
         timeout = config.get("timeout") if timeout is None else timeout
         if not self._done.wait(timeout):
             raise CollectiveTimeout(f"pycoll: {self.name} did not complete within {timeout:g} s; "
@@ -48,63 +52,5 @@ class Work:
         return self.wait()
 
     def __repr__(self) -> str:
-        state = "failed" if self._error else "done" if self.is_completed() else "pending"
+        state = "failed" if self._error else "done" if self._done.is_set() else "pending"
         return f"<pycoll.Work {self.name} {state}>"
-
-
-class Executor:
-    """Runs one process's collectives one at a time, in issue order.
-
-    Ordering rule: operations run in the order in which ``submit``/``run`` were called
-    in this process, whatever thread called them. MPI matches collectives by their
-    order on each communicator, so every rank must issue them in the same order, as
-    with MPI itself. Async operations run on one background thread; a blocking call
-    made while nothing is queued runs in the caller's thread, saving a thread switch.
-    MPI releases the GIL while it communicates, so the caller keeps computing.
-    """
-
-    def __init__(self):
-        self._queue: collections.deque = collections.deque()
-        self._busy = False
-        self._cv = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, fn: Callable[[], Any], name: str) -> Work:
-        work = Work(name)
-        with self._cv:
-            self._queue.append((fn, work))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="pycoll-executor",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-        return work
-
-    def run(self, fn: Callable[[], Any], name: str) -> Any:
-        with self._cv:
-            inline = not self._queue and not self._busy
-            self._busy = self._busy or inline
-        if not inline:
-            return self.submit(fn, name).wait()
-        try:
-            return fn()
-        finally:
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue or self._busy:
-                    self._cv.wait()
-                fn, work = self._queue.popleft()
-                self._busy = True
-            try:
-                work._finish(fn())
-            except BaseException as error:      # delivered to whoever waits on the Work
-                work._finish(error=error)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()

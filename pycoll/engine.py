@@ -1,0 +1,139 @@
+"""The engine: runs a process's collectives in order, fusing small allreduces.
+
+Fusion is decided where operations are issued, never by timing. Ranks must agree
+on which tensors travel together, or their MPI calls would not match; a timer
+(Horovod's cycle) can only be made safe by a negotiation round per cycle. Instead,
+as DDP's buckets do, consecutive fusable operations with the same key share a batch
+until the batch would pass the fusion threshold, another kind of operation is issued,
+or someone needs a result (``Work.wait``, ``is_completed``, a blocking call, ``flush``).
+Every rank issuing the same program makes the same batches.
+"""
+import collections
+import threading
+from typing import Any, Callable, Hashable, List, Optional
+
+import numpy as np
+
+from . import config
+from .work import Work
+
+
+class _Batch:
+    """Operations that run as one: a thunk, or fusable items with one key."""
+
+    def __init__(self, run: Callable, key: Hashable = None):
+        self.run, self.key = run, key
+        self.items: List[Any] = []
+        self.works: List[Work] = []
+        self.nbytes = 0
+
+
+class Engine:
+    """Runs one process's collectives one at a time, in issue order.
+
+    Ordering rule: operations run in the order in which they were issued in this
+    process, whatever thread issued them; fused operations run together at the
+    place of the first of them. MPI matches collectives by their order on each
+    communicator, so every rank must issue them in the same order, as with MPI
+    itself. Batches run on one background thread; a blocking call made while
+    nothing is pending runs in the caller's thread, saving a thread switch. MPI and
+    the compiled kernels release the GIL, so the caller keeps computing meanwhile.
+    """
+
+    def __init__(self):
+        self._ready: collections.deque = collections.deque()
+        self._open: Optional[_Batch] = None       # fusable batch still taking items
+        self._busy = False
+        self._cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._fusion = np.empty(0, np.uint8)
+
+    # ------------------------------------------------------------ issuing
+    def submit(self, thunk: Callable[[], Any], name: str) -> Work:
+        """Queue ``thunk``; its Work returns what it returns."""
+        batch = _Batch(lambda items: [thunk()])
+        work = self._work(name)
+        batch.works.append(work)
+        with self._cv:
+            self._close_open()
+            self._enqueue(batch)
+        return work
+
+    def submit_fusable(self, key: Hashable, nbytes: int, item: Any,
+                       run: Callable[[list], list], name: str) -> Work:
+        """Queue ``item``; items with equal ``key`` may run as one ``run(items)``,
+        which returns one result per item."""
+        work = self._work(name)
+        threshold = config.get("fusion_threshold")
+        with self._cv:
+            batch = self._open
+            if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
+                self._close_open()
+                batch = self._open = _Batch(run, key)
+            batch.items.append(item)
+            batch.works.append(work)
+            batch.nbytes += nbytes
+            if batch.nbytes >= threshold:
+                self._close_open()
+        return work
+
+    def run(self, thunk: Callable[[], Any], name: str) -> Any:
+        """Run ``thunk`` after everything issued before it; its result."""
+        with self._cv:
+            inline = not self._ready and not self._busy and self._open is None
+            self._busy = self._busy or inline
+        if not inline:
+            return self.submit(thunk, name).wait()
+        try:
+            return thunk()
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Send the open batch now (what waiting on any of its Works does)."""
+        with self._cv:
+            self._close_open()
+
+    def fusion_buffer(self, nbytes: int) -> np.ndarray:
+        """The one reusable fusion buffer, at least ``nbytes`` long. Batches run one at
+        a time, so they share it."""
+        if self._fusion.nbytes < nbytes:
+            self._fusion = np.empty(max(nbytes, config.get("fusion_threshold")), np.uint8)
+        return self._fusion[:nbytes]
+
+    # ------------------------------------------------------------ internals
+    def _work(self, name: str) -> Work:
+        return Work(name, on_wait=self.flush)
+
+    def _close_open(self) -> None:
+        if self._open is not None:
+            batch, self._open = self._open, None
+            self._enqueue(batch)
+
+    def _enqueue(self, batch: _Batch) -> None:
+        self._ready.append(batch)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ready or self._busy:
+                    self._cv.wait()
+                batch = self._ready.popleft()
+                self._busy = True
+            try:
+                results = batch.run(batch.items)
+                for work, result in zip(batch.works, results):
+                    work._finish(result)
+            except BaseException as error:      # delivered to whoever waits on the Works
+                for work in batch.works:
+                    work._finish(error=error)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()

@@ -9,12 +9,10 @@ the whole batch: any number of ranks trains the same model.
 """
 import argparse
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import pycoll
+from digits import accuracy, load, mlp
 
 
 def main():
@@ -28,14 +26,9 @@ def main():
     pycoll.init()
     rank, size = pycoll.rank(), pycoll.size()
     torch.set_num_threads(1)          # ranks share the cores
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        (digits.data / 16.0).astype(np.float32), digits.target, test_size=0.2, random_state=0)
-    x_train, y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
-    x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
-
-    torch.manual_seed(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    data = load()
+    x_train, y_train = data.x_train, data.y_train
+    model = mlp(args.seed)
     for p in model.parameters():              # one starting point, whatever each rank drew
         pycoll.broadcast_(p.data, root=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -57,18 +50,17 @@ def main():
             loss_sum += loss.item()
         loss_total = pycoll.allreduce(torch.tensor([loss_sum], dtype=torch.float64),
                                       op=pycoll.Sum).item()
-        with torch.no_grad():
-            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        test_accuracy = accuracy(model, data)
         if rank == 0:
             print(f"epoch {epoch:3d}  loss {loss_total / len(x_train):.4f}  "
-                  f"test accuracy {100 * accuracy:.2f}%", flush=True)
+                  f"test accuracy {100 * test_accuracy:.2f}%", flush=True)
 
     flat = torch.cat([p.data.reshape(-1) for p in model.parameters()])
     identical = torch.equal(pycoll.broadcast(flat, root=0), flat)
     identical = pycoll.allreduce(torch.tensor([int(identical)]), op=pycoll.Min).item() == 1
     if rank == 0:
         print(f"replicas identical on all {size} ranks: {'yes' if identical else 'NO'}")
-        print(f"final test accuracy {100 * accuracy:.2f}% ({size} ranks)")
+        print(f"final test accuracy {100 * test_accuracy:.2f}% ({size} ranks)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Collectives microbenchmark: pycoll against raw mpi4py and torch.distributed (gloo).
+
+    mpiexec -n 4 --oversubscribe python bench/collectives.py [--ops allreduce,alltoall]
+        [--min-bytes 4] [--max-bytes 64M] [--step-factor 4] [--dtype float32]
+        [--iters 20] [--warmup 5] [--batches 5] [--check] [--json PATH] [--no-gloo]
+
+Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
+out its buffers, how each implementation calls it and what it must produce. The three
+implementations share memory: numpy arrays for mpi4py, torch views of the same arrays
+(torch.from_numpy) for pycoll and gloo. Forms timed (in place where pycoll has one, so
+that allocation is not measured; the other pycoll forms allocate their output):
+
+  allreduce       pycoll.allreduce_(t, op=Sum)    Allreduce(IN_PLACE)   dist.all_reduce
+  allgather       pycoll.allgather(t)             Allgather             dist.all_gather_single
+  broadcast       pycoll.broadcast_(t, root=0)    Bcast                 dist.broadcast
+  reduce_scatter  pycoll.reduce_scatter(t, Sum)   Reduce_scatter_block  dist.reduce_scatter_single
+  alltoall        pycoll.alltoall(t)              Alltoall              dist.all_to_all_single
+
+Size is nccl-tests' size: the larger per-rank buffer (allgather's output, reduce_scatter's
+and alltoall's input), rounded down to a multiple of ranks x itemsize where the op splits
+it. algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
+reduce_scatter, alltoall) or 1 (broadcast). Time per op: mean over a batch of --iters calls,
+max over ranks; the table quotes the median of --batches batches, the implementations
+interleaved batch by batch (in rotating order) so that machine noise hits them alike.
+--check then verifies every implementation against numpy on every rank (--iters 0: only).
+"""
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mpi4py
+import numpy as np
+from mpi4py import MPI
+
+try:
+    import pycoll
+except ImportError:                              # a checkout without pip install -e
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import pycoll
+
+comm = MPI.COMM_WORLD
+IMPLS = ("pycoll", "mpi4py", "gloo")
+DTYPES = ("float32", "float64", "int32", "int64")
+MiB = 1 << 20
+torch = dist = None                              # set by setup_gloo()
+
+
+class Bufs:
+    """One op's buffers: numpy ``send``/``recv`` and torch views ``tsend``/``trecv``."""
+
+    def __init__(self, send: np.ndarray, recv: np.ndarray):
+        self.send, self.recv = send, recv
+        # Without torch, pycoll gets the numpy arrays themselves.
+        view = torch.from_numpy if torch is not None else (lambda a: a)
+        self.tsend = view(send)
+        self.trecv = self.tsend if recv is send else view(recv)
+
+
+def pattern(rank: int, count: int, dtype) -> np.ndarray:
+    """Rank-tagged small integers: exact in every dtype, sums included."""
+    return ((np.arange(count) % 61) + 100 * rank).astype(dtype)
+
+
+def world_sum(count, n, dtype):
+    return sum(pattern(r, count, np.int64) for r in range(n)).astype(dtype)
+
+
+def block(a: np.ndarray, i: int, n: int) -> np.ndarray:
+    b = len(a) // n
+    return a[i * b:(i + 1) * b]
+
+
+@dataclass
+class Coll:
+    """A table entry. ``count`` is the size in elements; calls return their output or None
+    (then the output is ``recv``); ``expected(count, n, rank, dtype)`` is rank's output."""
+    send_recv: Callable      # (count, n) -> (send count, recv count); equal means in place
+    bus: Callable            # n -> busbw / algbw
+    pycoll: Callable
+    mpi4py: Callable
+    gloo: Callable
+    expected: Callable
+    in_place: bool = False   # one buffer, any size; the others split the size across ranks
+
+
+COLLS = {
+    "allreduce": Coll(
+        lambda c, n: (c, c), lambda n: 2 * (n - 1) / n,
+        lambda b: pycoll.allreduce_(b.tsend, op=pycoll.Sum),
+        lambda b: comm.Allreduce(MPI.IN_PLACE, b.send, op=MPI.SUM),
+        lambda b: dist.all_reduce(b.tsend),
+        lambda c, n, r, dt: world_sum(c, n, dt), in_place=True),
+    "allgather": Coll(
+        lambda c, n: (c // n, c), lambda n: (n - 1) / n,
+        lambda b: pycoll.allgather(b.tsend),
+        lambda b: comm.Allgather(b.send, b.recv),
+        lambda b: dist.all_gather_single(b.trecv, b.tsend),
+        lambda c, n, r, dt: np.concatenate([pattern(j, c // n, dt) for j in range(n)])),
+    "broadcast": Coll(
+        lambda c, n: (c, c), lambda n: 1.0,
+        lambda b: pycoll.broadcast_(b.tsend, root=0),
+        lambda b: comm.Bcast(b.send, root=0),
+        lambda b: dist.broadcast(b.tsend, src=0),
+        lambda c, n, r, dt: pattern(0, c, dt), in_place=True),
+    "reduce_scatter": Coll(
+        lambda c, n: (c, c // n), lambda n: (n - 1) / n,
+        lambda b: pycoll.reduce_scatter(b.tsend, op=pycoll.Sum),
+        lambda b: comm.Reduce_scatter_block(b.send, b.recv, op=MPI.SUM),
+        lambda b: dist.reduce_scatter_single(b.trecv, b.tsend),
+        lambda c, n, r, dt: block(world_sum(c, n, dt), r, n)),
+    "alltoall": Coll(
+        lambda c, n: (c, c), lambda n: (n - 1) / n,
+        lambda b: pycoll.alltoall(b.tsend)[0],
+        lambda b: comm.Alltoall(b.send, b.recv),
+        lambda b: dist.all_to_all_single(b.trecv, b.tsend),
+        lambda c, n, r, dt: np.concatenate([block(pattern(j, c, dt), r, n)
+                                            for j in range(n)])),
+}
+
+
+def make_bufs(coll: Coll, count: int, n: int, dtype) -> Bufs:
+    s, r = coll.send_recv(count, n)
+    send = np.zeros(s, dtype)        # zeros: in-place Sum repeated stays finite
+    return Bufs(send, send if coll.in_place else np.zeros(r, dtype))
+
+
+def run(coll: Coll, impl: str, bufs: Bufs):
+    out = getattr(coll, impl)(bufs)
+    return bufs.recv if out is None else out
+
+
+def time_batch(coll, impl, bufs, iters) -> float:
+    """Seconds per op: the batch mean on the slowest rank."""
+    comm.Barrier()                   # every rank starts the batch together
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(coll, impl, bufs)
+    return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+
+
+def check(coll, impl, bufs, count, n, dtype) -> bool:
+    """Run once on rank-tagged data; True on every rank iff every rank got numpy's answer."""
+    bufs.send[:] = pattern(comm.rank, len(bufs.send), dtype)
+    if bufs.recv is not bufs.send:
+        bufs.recv[:] = -1            # stale output from another implementation must not pass
+    out = np.asarray(run(coll, impl, bufs))
+    ok = np.array_equal(out.reshape(-1), coll.expected(count, n, comm.rank, dtype))
+    bufs.send[:] = 0
+    return bool(comm.allreduce(ok, op=MPI.LAND))
+
+
+def sizes(args):
+    s = args.min_bytes
+    while s <= args.max_bytes:
+        yield s
+        s = max(s + 1, int(s * args.step_factor))
+
+
+def iters_for(nbytes: int, iters: int) -> int:
+    # Full --iters up to 4 MiB, then about 4 MiB x iters of data per batch (at least 4),
+    # so that the 64 MiB end of the sweep costs seconds, not minutes.
+    return min(iters, max(4, iters * 4 * MiB // nbytes))
+
+
+def setup_gloo(args) -> str:
+    """Import torch (pycoll uses its tensors) and start gloo; a note on what is skipped."""
+    global torch, dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        return f"torch unavailable ({e}): pycoll runs on numpy arrays; gloo skipped"
+    torch.set_num_threads(1)         # ranks already oversubscribe the cores
+    if args.no_gloo:
+        return "gloo skipped (--no-gloo)"
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "gloo skipped: torch.distributed was built without gloo"
+    hosts = comm.allgather(socket.gethostname())
+    port = None
+    if comm.rank == 0:               # a port free now on rank 0, shared with all ranks
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_PORT"] = str(comm.bcast(port))
+    os.environ["MASTER_ADDR"] = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+    return ""
+
+
+def header(args, note: str) -> str:
+    mpi = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
+    tv = f"torch {torch.__version__}" if torch is not None else "no torch"
+    return (f"# pycoll {pycoll.__version__} collectives: host {platform.node()} "
+            f"({os.cpu_count()} cpus), {mpi}, mpi4py {mpi4py.__version__}, {comm.size} ranks, "
+            f"{tv}, dtype {args.dtype}, op sum" + (f"\n# note: {note}" if note else ""))
+
+
+def fmt(x, width, prec):
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{prec}f}"
+
+
+def print_table_head(op, impls, with_check):
+    cols = "".join(f" | {i + ' time(us)':>16} {'algbw':>7} {'busbw':>7}" for i in impls)
+    print(f"\n# {op}  (algbw, busbw in GB/s; ratios of times: >1 means the first is slower)")
+    print(f"# {'size(B)':>10} {'count':>10} {'type':>8}{cols} | {'pyc/mpi':>7} "
+          f"{'gloo/pyc':>8}" + (" | check" if with_check else ""), flush=True)
+
+
+def bench_op(op, args, impls, n, dtype, rows) -> bool:
+    coll, itemsize, all_ok = COLLS[op], np.dtype(dtype).itemsize, True
+    if comm.rank == 0:
+        print_table_head(op, impls, args.check)
+    for size in sizes(args):
+        count = size // itemsize
+        if not coll.in_place:
+            count -= count % n
+        if count == 0:               # too small to give every rank an element
+            continue
+        nbytes, bufs = count * itemsize, make_bufs(coll, count, n, dtype)
+        times = {i: [] for i in impls}
+        iters = iters_for(nbytes, args.iters)
+        if iters:
+            for impl in impls:       # warm up: connections, caches, first-touch pages
+                time_batch(coll, impl, bufs, max(1, min(args.warmup, iters)))
+            for b in range(args.batches):
+                for impl in impls[b % len(impls):] + impls[:b % len(impls)]:
+                    times[impl].append(time_batch(coll, impl, bufs, iters))
+        oks = {i: check(coll, i, bufs, count, n, dtype) for i in impls} if args.check else {}
+        all_ok &= all(oks.values())
+        t = {i: statistics.median(times[i]) if times[i] else None for i in impls}
+        cells = ""
+        for impl in impls:
+            alg = nbytes / t[impl] / 1e9 if t[impl] else None
+            bus = alg * coll.bus(n) if alg is not None else None
+            us = t[impl] and t[impl] * 1e6
+            cells += f" | {fmt(us, 16, 1)} {fmt(alg, 7, 3)} {fmt(bus, 7, 3)}"
+            rows.append(dict(op=op, bytes=nbytes, count=count, dtype=args.dtype, impl=impl,
+                             time_us=us, algbw=alg, busbw=bus,
+                             iters=iters, batches_us=[x * 1e6 for x in times[impl]],
+                             check=oks.get(impl)))
+
+        def ratio(a, b):
+            return t[a] / t[b] if t.get(a) and t.get(b) else None
+        failed = [i for i in impls if not oks.get(i, True)]
+        verdict = (" | " + ("OK" if not failed else "FAIL " + ",".join(failed))
+                   if args.check else "")
+        if comm.rank == 0:
+            print(f"  {nbytes:>10} {count:>10} {args.dtype:>8}{cells} | "
+                  f"{fmt(ratio('pycoll', 'mpi4py'), 7, 2)} {fmt(ratio('gloo', 'pycoll'), 8, 2)}"
+                  f"{verdict}", flush=True)
+    return all_ok
+
+
+def parse_bytes(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().rstrip("B")
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1:] in units else int(s)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ops", default=",".join(COLLS), help="comma-separated, from: %(default)s")
+    p.add_argument("--min-bytes", type=parse_bytes, default=4, help="e.g. 4, 1K, 8M")
+    p.add_argument("--max-bytes", type=parse_bytes, default=64 * MiB)
+    p.add_argument("--step-factor", type=float, default=4.0)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--iters", type=int, default=20, help="per batch, up to 4 MiB; 0: no timing")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batches", type=int, default=5, help="median of this many batches")
+    p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
+    p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
+    p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
+    args = p.parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = set(ops) - set(COLLS)
+    if unknown or args.step_factor <= 1 or args.batches < 1 or args.min_bytes < 1:
+        p.error(f"unknown ops {sorted(unknown)}" if unknown else
+                "need --step-factor > 1, --batches >= 1, --min-bytes >= 1")
+
+    note = setup_gloo(args)
+    impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:2]
+    pycoll.init()
+    n, rows, ok = comm.size, [], True
+    t0 = time.perf_counter()
+    if comm.rank == 0:
+        print(header(args, note), flush=True)
+    for op in ops:
+        ok &= bench_op(op, args, impls, n, np.dtype(args.dtype), rows)
+    elapsed = time.perf_counter() - t0
+    if comm.rank == 0:
+        print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
+              "; check " + ("OK" if ok else "FAILED")), flush=True)
+        if args.json:
+            meta = dict(host=platform.node(), cpus=os.cpu_count(), ranks=n,
+                        mpi=MPI.Get_library_version().strip(),
+                        torch=torch.__version__ if torch is not None else None,
+                        pycoll=pycoll.__version__, impls=list(impls), note=note,
+                        args=vars(args), elapsed_s=elapsed, check_ok=ok if args.check else None)
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

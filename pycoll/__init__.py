@@ -13,6 +13,7 @@ from .config import configure
 from .hetero import slowdown, slowdown_factor
 from .runtime import (Group, init, is_initialized, local_rank, local_size, new_group, rank,
                       shutdown, size)
+from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, Work
 
 __version__ = "0.1.0"
@@ -29,7 +30,7 @@ _COLLECTIVES = (
 
 __all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",
            "local_rank", "local_size", "new_group", "rank", "shutdown", "size",
-           "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES]
+           "CollectiveMismatch", "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES]
 
 
 def has_cuda() -> bool:

@@ -101,23 +101,26 @@ class _Allreduce(NamedTuple):
     out: Any
     op: ReduceOp
     grp: runtime.Group
+    name: str
 
     @property
     def key(self) -> tuple:
         return self.src.dtype, self.src.device, self.op, id(self.grp.comm)
 
 
-def _allreduce_item(x, op, group, inplace) -> _Allreduce:
+def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
     op, grp = _reduce_op(op), runtime.resolve(group)
     src = as_buffer(x, writable=inplace)
     _check_reduction(op, src)
     out = x if inplace else tensors.empty_like(x, src.shape)
-    return _Allreduce(src, src if inplace else as_buffer(out, writable=True), out, op, grp)
+    return _Allreduce(src, src if inplace else as_buffer(out, writable=True), out, op, grp,
+                      name or "allreduce")
 
 
 def _allreduce_one(item: _Allreduce):
     """In MPI's hands directly: no copy unless CUDA memory must be staged."""
     src, dst, grp = item.src, item.dst, item.grp
+    grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=item.op.value)
     with _host(src) as s, _host(dst, read=False, write=True) as d:
         send = MPI.IN_PLACE if s == d else _msg(s, src.nbytes, src.dtype)
         grp.comm.Allreduce(send, _msg(d, dst.nbytes, dst.dtype), _mpi_op(item.op, src.dtype))
@@ -129,6 +132,9 @@ def _allreduce_one(item: _Allreduce):
 def _allreduce_fused(items: List[_Allreduce]) -> None:
     """One MPI call for many same-key tensors: pack, reduce, unpack (+ Average's scale)."""
     first = items[0]
+    first.grp.agree("fused allreduce", f"{first.name} and {len(items) - 1} more",
+                    dtype=first.src.dtype, op=first.op.value,
+                    shapes=[(it.name, it.src.shape) for it in items])
     sizes = [it.src.nbytes for it in items]
     fusion = runtime.engine().fusion_buffer(sum(sizes))
     with ExitStack() as stack:
@@ -159,7 +165,8 @@ def _allreduce_batch(items: List[_Allreduce]) -> list:
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
-    items = [_allreduce_item(x, op, group, inplace) for x in xs]
+    name = name or "grouped_allreduce"
+    items = [_allreduce_item(x, op, group, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
     _same_kind([it.src for it in items])
     by_key: dict = {}
     for item in items:
@@ -169,7 +176,7 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
         for same in by_key.values():
             _allreduce_batch(same)
         return [item.out for item in items]
-    return name or "grouped_allreduce", run
+    return name, run
 
 
 def _plan_allgather(x, group, name):
@@ -180,6 +187,7 @@ def _plan_allgather(x, group, name):
     def run():
         rows = src.shape[0] if src.shape else 1
         row_shape = tuple(src.shape[1:])
+        grp.agree("allgather", name, dtype=src.dtype, row_shape=row_shape)
         meta = grp.comm.allgather((rows, row_shape, src.dtype))
         if len({m[1:] for m in meta}) > 1:
             raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
@@ -208,11 +216,14 @@ def _plan_broadcast(x, root, group, name, inplace):
                              else tensors.empty_like(x, src.shape))
     dst = as_buffer(out, writable=True)
 
+    name = name or "broadcast"
+
     def run():
+        grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
         with _host(dst, read=grp.rank() == root, write=True) as d:
             grp.comm.Bcast(_msg(d, dst.nbytes), root=root)
         return out
-    return name or "broadcast", run
+    return name, run
 
 
 def _check_root(root, grp: runtime.Group) -> None:
@@ -236,7 +247,10 @@ def _plan_reduce_scatter(x, op, group, name):
     dst = as_buffer(out, writable=True)
     row_count = src.count // src.shape[0] if src.shape[0] else 0
 
+    name = name or "reduce_scatter"
+
     def run():
+        grp.agree("reduce_scatter", name, dtype=src.dtype, shape=src.shape, op=op.value)
         counts = [r * row_count for r in rows]
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Reduce_scatter(_msg(s, src.nbytes, src.dtype),
@@ -245,7 +259,7 @@ def _plan_reduce_scatter(x, op, group, name):
             if op is Average:
                 _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
         return out
-    return name or "reduce_scatter", run
+    return name, run
 
 
 def _plan_alltoall(x, splits, group, name):
@@ -266,7 +280,10 @@ def _plan_alltoall(x, splits, group, name):
     row_shape = tuple(src.shape[1:])
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
 
+    name = name or "alltoall"
+
     def run():
+        grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
         recv_splits = np.empty(n, np.int64)
         grp.comm.Alltoall(send_splits, recv_splits)
         out = tensors.empty_like(x, (int(recv_splits.sum()),) + row_shape)
@@ -279,12 +296,16 @@ def _plan_alltoall(x, splits, group, name):
                 [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
                  _displacements(recv_counts), MPI.BYTE])
         return out, recv_splits
-    return name or "alltoall", run
+    return name, run
 
 
 def _plan_barrier(group, name):
-    grp = runtime.resolve(group)
-    return name or "barrier", lambda: grp.comm.Barrier()
+    grp, name = runtime.resolve(group), name or "barrier"
+
+    def run():
+        grp.agree("barrier", name)
+        grp.comm.Barrier()
+    return name, run
 
 
 # ---------------------------------------------------------------- public API
@@ -299,30 +320,30 @@ def _submit(plan) -> Work:
     return runtime.engine().submit(thunk, name)
 
 
-def _submit_allreduce(item: _Allreduce, name: Optional[str]) -> Work:
+def _submit_allreduce(item: _Allreduce) -> Work:
     return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_batch,
-                                           name or "allreduce")
+                                           item.name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     """Reduce ``x`` over the ranks of ``group``; a new tensor holds the result."""
-    item = _allreduce_item(x, op, group, inplace=False)
-    return runtime.engine().run(lambda: _allreduce_one(item), name or "allreduce")
+    item = _allreduce_item(x, op, group, name, inplace=False)
+    return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 
 
 def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
-    item = _allreduce_item(x, op, group, inplace=True)
-    return runtime.engine().run(lambda: _allreduce_one(item), name or "allreduce")
+    item = _allreduce_item(x, op, group, name, inplace=True)
+    return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 
 
 def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
     """Start an allreduce; consecutive async allreduces are fused (PYCOLL_FUSION_THRESHOLD)."""
-    return _submit_allreduce(_allreduce_item(x, op, group, inplace=False), name)
+    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=False))
 
 
 def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit_allreduce(_allreduce_item(x, op, group, inplace=True), name)
+    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=True))
 
 
 def flush() -> None:

@@ -54,6 +54,11 @@ KNOBS = {k.name: k for k in (
          "seconds a blocking call or Work.wait() waits before raising CollectiveTimeout"),
     Knob("fusion_threshold", 64 * 2**20, int,
          "bytes: allreduces issued one after another are fused into batches up to this size"),
+    Knob("check", False, _bool,
+         "before each collective, ranks compare what they submit; mismatches and missing "
+         "ranks raise on every rank"),
+    Knob("stall_warning_s", 60.0, float,
+         "with check on, log which ranks have not joined a collective after this many seconds"),
     Knob("log_level", "warning", str.lower,
          "logging level of the pycoll logger: debug, info, warning, error"),
     Knob("cuda_aware_mpi", False, _bool,

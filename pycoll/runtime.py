@@ -4,6 +4,7 @@ from typing import Iterable, Optional
 
 from . import config
 from .engine import Engine
+from .inspector import Checker
 
 
 class Group:
@@ -16,6 +17,22 @@ class Group:
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
+        self._checker: Optional[Checker] = None
+        if comm is not None and config.get("check"):
+            self._checker = Checker(comm, ranks)
+
+    def agree(self, kind: str, name: str, **details) -> None:
+        """With PYCOLL_CHECK, make sure every rank is about to run the same collective."""
+        if config.get("check"):
+            if self._checker is None:
+                self._checker = Checker(self.comm, self.ranks)
+            self._checker.agree(kind, name, **details)
+
+    def free(self, comm: bool = True) -> None:
+        if self._checker is not None:
+            self._checker.free()
+        if comm:
+            self.comm.Free()
 
     @property
     def is_member(self) -> bool:
@@ -35,6 +52,7 @@ class _State:
     world: Optional[Group] = None
     local_comm = None
     engine: Optional[Engine] = None
+    user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
 
 
 _state = _State()
@@ -74,8 +92,11 @@ def shutdown() -> None:
         return
     _state.engine.run(lambda: None, "shutdown")       # drain what is queued
     _state.local_comm.Free()
-    _state.world.comm.Free()
+    _state.world.free()
+    for group in _state.user_groups.values():
+        group.free(comm=False)          # the communicator is the user's
     _state.world = _state.local_comm = _state.engine = None
+    _state.user_groups.clear()
 
 
 def is_initialized() -> bool:
@@ -141,6 +162,9 @@ def resolve(group) -> Group:
                              "only its members may run collectives on it")
         return group
     if hasattr(group, "Get_size") and hasattr(group, "Allreduce"):
-        return Group(group, tuple(range(group.Get_size())))
+        known = _state.user_groups.get(id(group))
+        if known is None or known.comm is not group:
+            known = _state.user_groups[id(group)] = Group(group, tuple(range(group.Get_size())))
+        return known
     raise TypeError(f"group must be None, a pycoll.Group or an mpi4py communicator, "
                     f"got {type(group).__name__}")

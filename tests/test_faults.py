@@ -1,0 +1,98 @@
+"""Injected faults end in a clear error within seconds, never in a hang.
+
+Each test runs a small job under pycollrun and reads what the user would see.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+PRELUDE = """
+import os, signal, sys, time
+import numpy as np
+import pycoll
+pycoll.init()
+rank, size = pycoll.rank(), pycoll.size()
+"""
+
+
+def job(tmp_path, body: str, ranks: int = 3, **env):
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "OMPI_COMM"))}
+    environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   PYCOLL_TIMEOUT="4", PYCOLL_CHECK="1", **env)
+    out = subprocess.run([sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(ranks),
+                          "python", str(script)], env=environ, capture_output=True, text=True,
+                         timeout=90)
+    return out.returncode, out.stdout + out.stderr
+
+
+def test_rank_that_skips_a_collective_and_goes_on(tmp_path):
+    code, text = job(tmp_path, """
+        if rank != 1:
+            pycoll.allreduce(np.ones(3), name="skipped")
+        pycoll.barrier(name="after")
+    """)
+    assert code != 0
+    assert "ranks submitted different collectives" in text
+    assert "rank 0: allreduce #0 'skipped'" in text and "rank 1: barrier #0 'after'" in text
+
+
+def test_rank_that_skips_a_collective_and_stalls(tmp_path):
+    code, text = job(tmp_path, """
+        if rank == 1:
+            time.sleep(60)
+        pycoll.allreduce(np.ones(3), name="grads")
+    """, PYCOLL_STALL_WARNING_S="1")
+    assert code != 0
+    assert "CollectiveTimeout" in text and "ranks [1] did not join within 4 s" in text
+    assert "has waited 1 s for ranks [1]" in text            # the stall warning came first
+
+
+def test_mismatched_shapes_raise_on_every_rank(tmp_path):
+    code, text = job(tmp_path, """
+        try:
+            pycoll.allreduce(np.ones(3 + (rank == 2)), name="w")
+        except pycoll.CollectiveMismatch as error:
+            print(f"rank {rank} caught: {str(error).splitlines()[3]}", flush=True)
+        pycoll.barrier()                                    # still usable afterwards
+        print(f"rank {rank} usable", flush=True)
+    """)
+    assert code == 0, text
+    for r in range(3):
+        assert f"rank {r} caught:   rank 2: allreduce #0 'w' dtype=float64 shape=(4,)" in text
+        assert f"rank {r} usable" in text
+
+
+def test_killed_worker_ends_the_job_and_is_named(tmp_path):
+    code, text = job(tmp_path, """
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        pycoll.allreduce(np.ones(3))
+        time.sleep(30)
+    """)
+    assert code != 0
+    assert "rank 1" in text and "signal 9" in text
+
+
+def test_bad_input_leaves_the_group_usable():
+    import pycoll
+    pycoll.init()
+    bad = [lambda: pycoll.allreduce(np.zeros((4, 4))[:, ::2]),
+           lambda: pycoll.allreduce_(np.frombuffer(b"abcd", np.uint8)),
+           lambda: pycoll.allreduce(np.zeros(3, bool)),
+           lambda: pycoll.allreduce(np.zeros(3, np.int32), op=pycoll.Average),
+           lambda: pycoll.broadcast(np.zeros(3), root=-1),
+           lambda: pycoll.alltoall(np.zeros(3), splits=[5] * pycoll.size()),
+           lambda: pycoll.allreduce(np.zeros(3), group="everyone"),
+           lambda: pycoll.allreduce(np.zeros(3), op="mean")]
+    for call in bad:
+        with pytest.raises((ValueError, TypeError)):
+            call()
+    np.testing.assert_array_equal(pycoll.allreduce(np.ones(3), op=pycoll.Sum), pycoll.size())

@@ -27,10 +27,12 @@ _COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_async", "alltoall", "alltoall_async",
     "barrier", "barrier_async", "flush",
 )
+_PARTIAL = ("partial_allreduce", "partial_allreduce_", "partial_allreduce_async",
+            "partial_allreduce_async_")
 
 __all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",
            "local_rank", "local_size", "new_group", "rank", "shutdown", "size",
-           "CollectiveMismatch", "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES]
+           "CollectiveMismatch", "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES, *_PARTIAL]
 
 
 def has_cuda() -> bool:
@@ -39,11 +41,17 @@ def has_cuda() -> bool:
     return _C.has_cuda()
 
 
+_LAZY = {**dict.fromkeys(_COLLECTIVES, ".collectives"), **dict.fromkeys(_PARTIAL, ".partial")}
+
+
 def __getattr__(name):
-    # collectives imports mpi4py.MPI, which starts MPI: load it on first use only.
-    if name in _COLLECTIVES:
-        return getattr(importlib.import_module(".collectives", __name__), name)
-    raise AttributeError(f"module 'pycoll' has no attribute {name!r}")
+    # These modules import mpi4py.MPI, which starts MPI: load them on first use only,
+    # then keep their names here so later lookups skip this function.
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pycoll' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name], __name__)
+    globals().update({n: getattr(module, n) for n, m in _LAZY.items() if m == _LAZY[name]})
+    return globals()[name]
 
 
 def __dir__():

@@ -7,7 +7,7 @@ work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
 import enum
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -70,12 +70,15 @@ def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
             _MPI_TYPES[dtype]]
 
 
-@contextmanager
 def _host(buf: Buffer, read: bool = True, write: bool = False):
     """A host pointer holding ``buf``'s bytes: its own, or a staging copy for CUDA memory."""
-    if not buf.is_cuda or config.get("cuda_aware_mpi"):
-        yield buf.ptr
-        return
+    if buf.device == "cpu" or config.get("cuda_aware_mpi"):
+        return nullcontext(buf.ptr)
+    return _staged(buf, read, write)
+
+
+@contextmanager
+def _staged(buf: Buffer, read: bool, write: bool):
     staging = np.empty(buf.nbytes, np.uint8)
     if read and buf.nbytes:
         tensors.copy_device(staging.ctypes.data, buf.ptr, buf.nbytes)

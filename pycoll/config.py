@@ -65,13 +65,19 @@ KNOBS = {k.name: k for k in (
          "hand GPU buffers to MPI directly instead of staging them through host memory"),
     Knob("slowdown", {}, parse_slowdown,
          "RANK:FACTOR[,RANK:FACTOR]: pycoll.slowdown() makes these ranks' compute FACTOR times slower"),
+    Knob("partial_cache_after", 3, int,
+         "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
+    Knob("servers", 1, int,
+         "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
 )}
 
 _overrides: dict = {}
+_from_environment: dict = {}     # parsed once: get() sits on every collective's path
 
 
 def configure(**kwargs) -> None:
     """Override knobs for this process (what ``pycoll.init(**kwargs)`` calls)."""
+    reload()
     for name, value in kwargs.items():
         if name not in KNOBS:
             raise TypeError(f"unknown pycoll option {name!r}; known: {', '.join(KNOBS)}")
@@ -79,15 +85,20 @@ def configure(**kwargs) -> None:
         _overrides[name] = knob.parse(value) if isinstance(value, str) else value
 
 
+def reload() -> None:
+    """Read the PYCOLL_* variables again (they are read once, at first use)."""
+    _from_environment.clear()
+
+
 def get(name: str) -> Any:
     """The value of knob ``name``: override, then environment, then default."""
-    knob = KNOBS[name]
     if name in _overrides:
         return _overrides[name]
-    text = os.environ.get(knob.env)
-    if text is None:
-        return knob.default
-    try:
-        return knob.parse(text)
-    except ValueError as err:
-        raise ValueError(f"{knob.env}={text!r}: {err}") from None
+    if name not in _from_environment:
+        knob = KNOBS[name]
+        text = os.environ.get(knob.env)
+        try:
+            _from_environment[name] = knob.default if text is None else knob.parse(text)
+        except ValueError as err:
+            raise ValueError(f"{knob.env}={text!r}: {err}") from None
+    return _from_environment[name]

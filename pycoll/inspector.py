@@ -15,14 +15,16 @@ cannot) and an idle wait costs no core.
 import hashlib
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import List
+
+import numpy as np
 
 from . import config
 from .work import CollectiveTimeout
 
 log = logging.getLogger("pycoll")
 
-_GO, _MISMATCH, _TIMEOUT = "go", "mismatch", "timeout"
+_GO, _MISMATCH, _TIMEOUT = 0, 1, 2
 _TAGS = 32768            # tags cycle with the sequence number: old messages never match
 _DISPLAY = 300           # characters of a fingerprint shown in errors
 
@@ -38,6 +40,9 @@ class Checker:
         self.side = comm.Dup()
         self.ranks = ranks          # world ranks, for messages
         self.seq = 0
+        size = self.side.Get_size()
+        self._prints = np.empty((size, 2), np.uint64)
+        self._verdict = np.empty(size + 1, np.int64)     # code, then missing side ranks
 
     def free(self) -> None:
         self.side.Free()
@@ -45,87 +50,66 @@ class Checker:
     def agree(self, kind: str, name: str, **details) -> None:
         """Return when every rank of the group submitted the same; raise otherwise."""
         seq, self.seq = self.seq, self.seq + 1
-        if self.side.Get_size() == 1:
+        size = self.side.Get_size()
+        if size == 1:
             return
         text = f"{kind} #{seq} '{name}' " + " ".join(f"{k}={v}" for k, v in details.items())
-        mine = (hashlib.sha1(text.encode()).hexdigest(), text[:_DISPLAY])
-        tag = seq % _TAGS
-        timeout = config.get("timeout")
+        digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint64)
+        tag, timeout = seq % _TAGS, config.get("timeout")
+        verdict = self._verdict
         if self.side.Get_rank() == 0:
-            self._coordinate(mine, tag, text, timeout)
+            self._prints[0] = digest
+            requests = [self.side.Irecv(self._prints[r], source=r, tag=tag) for r in range(1, size)]
+            missing = _poll(requests, timeout, (config.get("stall_warning_s"), lambda pending:
+                            log.warning("pycoll: %s has waited %g s for ranks %s", text,
+                                        config.get("stall_warning_s"),
+                                        [self.ranks[i + 1] for i in pending])))
+            verdict[:] = -1
+            verdict[0] = _TIMEOUT if missing else (
+                _MISMATCH if (self._prints != digest).any() else _GO)
+            verdict[1:1 + len(missing)] = [i + 1 for i in missing]
+            for i in missing:
+                requests[i].Cancel()
+            for r in range(1, size):
+                if r - 1 not in missing:
+                    self.side.Send(verdict, dest=r, tag=tag)
         else:
-            self.side.isend(mine, dest=0, tag=tag)
-            verdict = _poll([self.side.irecv(source=0, tag=tag)], timeout + 2.0, None)[0]
-            if verdict is None:
+            self.side.Send(digest, dest=0, tag=tag)
+            if _poll([self.side.Irecv(verdict, source=0, tag=tag)], timeout + 2.0, None):
                 raise CollectiveTimeout(
                     f"pycoll: {text} got no answer within {timeout:g} s from rank "
                     f"{self.ranks[0]}, which coordinates this group: it has died or is stuck "
                     "in another operation")
-            self._raise_for(verdict)
-
-    def _coordinate(self, mine, tag, text, timeout) -> None:
-        size = self.side.Get_size()
-        requests = [self.side.irecv(source=r, tag=tag) for r in range(1, size)]
-        warn_after = config.get("stall_warning_s")
-
-        def warn(pending: List[int]) -> None:
-            log.warning("pycoll: %s has waited %g s for ranks %s", text, warn_after,
-                        [self.ranks[r] for r in pending])
-        got = _poll(requests, timeout, (warn_after, warn))
-        prints: Dict[int, tuple] = {0: mine}
-        prints.update({r: fp for r, fp in zip(range(1, size), got) if fp is not None})
-        missing = [r for r in range(size) if r not in prints]
-        if missing:
-            for request in requests:
-                if not request.Test():
-                    request.Cancel()
-            verdict = (_TIMEOUT, text, [self.ranks[r] for r in missing], timeout)
-        elif len({fp[0] for fp in prints.values()}) > 1:
-            verdict = (_MISMATCH, {self.ranks[r]: fp[1] for r, fp in prints.items()})
-        else:
-            verdict = (_GO,)
-        for r in range(1, size):
-            if r not in missing:
-                self.side.isend(verdict, dest=r, tag=tag)
-        self._raise_for(verdict)
-
-    @staticmethod
-    def _raise_for(verdict) -> None:
         if verdict[0] == _MISMATCH:
-            lines = "\n".join(f"  rank {r}: {fp}" for r, fp in sorted(verdict[1].items()))
+            texts = self.side.allgather(text[:_DISPLAY])      # everyone is here: safe
+            lines = "\n".join(f"  rank {self.ranks[r]}: {t}" for r, t in enumerate(texts))
             raise CollectiveMismatch("pycoll: ranks submitted different collectives at the "
                                      f"same point:\n{lines}\nEvery rank must issue the same "
                                      "collectives, with the same dtypes and shapes, in the "
                                      "same order.")
         if verdict[0] == _TIMEOUT:
-            _, text, missing, timeout = verdict
+            missing = [self.ranks[r] for r in verdict[1:] if r >= 0]
             raise CollectiveTimeout(f"pycoll: {text}: ranks {missing} did not join within "
                                     f"{timeout:g} s (PYCOLL_TIMEOUT); they skipped this "
                                     "collective, are stuck elsewhere, or died")
 
 
-def _poll(requests, timeout: float, stall) -> List[Optional[object]]:
-    """Wait for pickled messages until ``timeout``; None for those that never came.
+def _poll(requests, timeout: float, stall) -> List[int]:
+    """Wait for ``requests`` until ``timeout``; the indices of those still pending.
     ``stall`` = (seconds, callback(pending indices)) fires once, if given."""
-    results: List[Optional[object]] = [None] * len(requests)
-    pending = set(range(len(requests)))
+    pending = list(range(len(requests)))
     start = time.monotonic()
     sleep = 0.0
-    while pending:
-        for i in list(pending):
-            done, message = requests[i].test()
-            if done:
-                results[i] = message
-                pending.discard(i)
+    while True:
+        pending = [i for i in pending if not requests[i].Test()]
         if not pending:
-            break
+            return []
         waited = time.monotonic() - start
         if stall is not None and waited >= stall[0]:
-            stall[1](sorted(i + 1 for i in pending))
+            stall[1](pending)
             stall = None
         if waited >= timeout:
-            break
-        # Spin briefly (a healthy group answers within microseconds), then back off.
-        sleep = 0.0 if waited < 1e-3 else min(max(sleep * 2, 1e-4), 0.01)
-        time.sleep(sleep)
-    return results
+            return pending
+        if waited > 1e-3:       # a healthy group answers within microseconds: spin till then,
+            sleep = min(max(sleep * 2, 1e-4), 0.01)        # then back off to spare the core
+            time.sleep(sleep)

@@ -52,6 +52,7 @@ class _State:
     world: Optional[Group] = None
     local_comm = None
     engine: Optional[Engine] = None
+    p2p_comm = None      # pycoll.partial's own duplicate: its tags never meet other traffic
     user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
 
 
@@ -78,6 +79,7 @@ def init(comm=None, **options) -> None:
     # Our own duplicate: pycoll's traffic never matches the user's messages on ``comm``.
     own = comm.Dup()
     _state.world = Group(own, tuple(range(own.Get_size())))
+    _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine()
     log = logging.getLogger("pycoll")
@@ -92,10 +94,11 @@ def shutdown() -> None:
         return
     _state.engine.run(lambda: None, "shutdown")       # drain what is queued
     _state.local_comm.Free()
+    _state.p2p_comm.Free()
     _state.world.free()
     for group in _state.user_groups.values():
         group.free(comm=False)          # the communicator is the user's
-    _state.world = _state.local_comm = _state.engine = None
+    _state.world = _state.local_comm = _state.engine = _state.p2p_comm = None
     _state.user_groups.clear()
 
 

@@ -11,11 +11,14 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.fixture(autouse=True)
 def no_overrides(monkeypatch):
     monkeypatch.setattr(config, "_overrides", {})
+    monkeypatch.setattr(config, "_from_environment", {})
 
 
 def test_precedence_keyword_then_environment_then_default(monkeypatch):
     assert config.get("timeout") == config.KNOBS["timeout"].default
     monkeypatch.setenv("PYCOLL_TIMEOUT", "12.5")
+    assert config.get("timeout") == config.KNOBS["timeout"].default     # read once
+    config.reload()
     assert config.get("timeout") == 12.5
     config.configure(timeout=3)
     assert config.get("timeout") == 3

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pycoll import hetero
+from pycoll import config, hetero
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,6 +26,7 @@ def _busy(seconds=BUSY):
 def world(monkeypatch):
     """No MPI in sight: the rank comes from OMPI_COMM_WORLD_RANK."""
     monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    monkeypatch.setattr(config, "_from_environment", {})      # variables set below count
     for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PYCOLL_SLOWDOWN"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
@@ -69,6 +70,7 @@ def test_rank_sources(world):
     assert hetero.slowdown_factor() == 1.0
     assert hetero.slowdown_factor(rank=3) == 4.0
     world.delenv("PYCOLL_SLOWDOWN")
+    config.reload()                                  # variables are read once
     assert hetero.slowdown_factor(rank=3) == 1.0
     assert _timed_block(rank=0)[0] == 1.0
 

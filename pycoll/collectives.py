@@ -64,6 +64,24 @@ def _check_reduction(op: ReduceOp, buf: Buffer) -> None:
                         "and divide, or cast to a float dtype")
 
 
+_MAX_COUNT = 2**31 - 1            # MPI counts are C ints
+_PIECE = 2**30                    # elements per MPI call for operations that can be split
+
+
+def _pieces(nbytes: int, itemsize: int):
+    """(offset, nbytes) pieces of at most _PIECE elements, so counts fit MPI's C ints;
+    an elementwise operation may be split anywhere."""
+    step = _PIECE * itemsize
+    return [(0, nbytes)] if nbytes <= step else \
+        [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+
+
+def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:
+    if max(counts, default=0) > _MAX_COUNT:
+        raise ValueError(f"{name}: one rank's part is {max(counts)} {unit}, beyond MPI's "
+                         f"limit of 2^31-1; split the tensor and call {name} on the pieces")
+
+
 def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
     """An mpi4py message spec for raw memory."""
     return [MPI.buffer.fromaddress(ptr, nbytes), nbytes // tensors.ITEMSIZE[dtype],
@@ -124,9 +142,11 @@ def _allreduce_one(item: _Allreduce):
     """In MPI's hands directly: no copy unless CUDA memory must be staged."""
     src, dst, grp = item.src, item.dst, item.grp
     grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=item.op.value)
+    mpi_op = _mpi_op(item.op, src.dtype)
     with _host(src) as s, _host(dst, read=False, write=True) as d:
-        send = MPI.IN_PLACE if s == d else _msg(s, src.nbytes, src.dtype)
-        grp.comm.Allreduce(send, _msg(d, dst.nbytes, dst.dtype), _mpi_op(item.op, src.dtype))
+        for offset, nbytes in _pieces(dst.nbytes, tensors.ITEMSIZE[dst.dtype]):
+            send = MPI.IN_PLACE if s == d else _msg(s + offset, nbytes, src.dtype)
+            grp.comm.Allreduce(send, _msg(d + offset, nbytes, dst.dtype), mpi_op)
         if item.op is Average:
             _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
     return item.out
@@ -199,6 +219,7 @@ def _plan_allgather(x, group, name):
         dst = as_buffer(out, writable=True)
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
         counts = [m[0] * row_bytes for m in meta]
+        _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Allgatherv(_msg(s, src.nbytes),
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
@@ -224,7 +245,8 @@ def _plan_broadcast(x, root, group, name, inplace):
     def run():
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
         with _host(dst, read=grp.rank() == root, write=True) as d:
-            grp.comm.Bcast(_msg(d, dst.nbytes), root=root)
+            for offset, nbytes in _pieces(dst.nbytes, 1):
+                grp.comm.Bcast(_msg(d + offset, nbytes), root=root)
         return out
     return name, run
 
@@ -255,6 +277,7 @@ def _plan_reduce_scatter(x, op, group, name):
     def run():
         grp.agree("reduce_scatter", name, dtype=src.dtype, shape=src.shape, op=op.value)
         counts = [r * row_count for r in rows]
+        _check_counts(name, counts, "elements")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Reduce_scatter(_msg(s, src.nbytes, src.dtype),
                                     _msg(d, dst.nbytes, dst.dtype), counts,
@@ -292,6 +315,7 @@ def _plan_alltoall(x, splits, group, name):
         out = tensors.empty_like(x, (int(recv_splits.sum()),) + row_shape)
         dst = as_buffer(out, writable=True)
         send_counts, recv_counts = list(send_splits * row_bytes), list(recv_splits * row_bytes)
+        _check_counts(name, send_counts + recv_counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Alltoallv(
                 [MPI.buffer.fromaddress(s, src.nbytes), send_counts,

@@ -252,3 +252,18 @@ def test_group_membership_and_rank_checks(pycoll_world):
                 pycoll.allreduce(np.zeros(2), group=g)
         else:
             np.testing.assert_array_equal(pycoll.allreduce(np.ones(2), group=g), np.ones(2))
+
+
+def test_counts_beyond_mpi_int_are_split_or_refused(group, monkeypatch):
+    """The real limit is 2^31 elements; shrunk here so the test needs no 8 GiB."""
+    arg, rank, size = group
+    from pycoll import collectives
+    monkeypatch.setattr(collectives, "_PIECE", 7)
+    x = np.arange(100, dtype=np.float32) + rank
+    np.testing.assert_array_equal(pycoll.allreduce(x, op=pycoll.Sum, group=arg),
+                                  sum(np.arange(100, dtype=np.float32) + r for r in range(size)))
+    np.testing.assert_array_equal(pycoll.broadcast(x, root=0, group=arg), np.arange(100))
+    monkeypatch.setattr(collectives, "_MAX_COUNT", 15)
+    with pytest.raises(ValueError, match="beyond MPI's limit of 2\\^31-1; split the tensor"):
+        pycoll.allgather(np.zeros(4, np.float32), group=arg)
+    np.testing.assert_array_equal(pycoll.allreduce(np.ones(2), op=pycoll.Sum, group=arg), size)

@@ -9,7 +9,9 @@ or someone needs a result (``Work.wait``, ``is_completed``, a blocking call, ``f
 Every rank issuing the same program makes the same batches.
 """
 import collections
+import logging
 import threading
+import time
 from typing import Any, Callable, Hashable, List, Optional
 
 import numpy as np
@@ -40,7 +42,10 @@ class Engine:
     the compiled kernels release the GIL, so the caller keeps computing meanwhile.
     """
 
-    def __init__(self):
+    def __init__(self, on_stuck: Callable[[str], None]):
+        self._on_stuck = on_stuck
+        self._running: Optional[tuple] = None    # (name, start) of what runs now
+        threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
         self._ready: collections.deque = collections.deque()
         self._open: Optional[_Batch] = None       # fusable batch still taking items
         self._busy = False
@@ -85,7 +90,7 @@ class Engine:
         if not inline:
             return self.submit(thunk, name).wait()
         try:
-            return thunk()
+            return self._execute(thunk, name)
         finally:
             with self._cv:
                 self._busy = False
@@ -119,6 +124,36 @@ class Engine:
             self._thread.start()
         self._cv.notify_all()
 
+    def _execute(self, fn: Callable[[], Any], name: str) -> Any:
+        self._running = (name, time.monotonic())
+        try:
+            return fn()
+        finally:
+            self._running = None
+
+    def _watch(self) -> None:
+        """The stall inspector of last resort: a blocking MPI call cannot time out, so a
+        rank stuck in one past PYCOLL_TIMEOUT ends the job with a message, not a hang."""
+        warned = None
+        while True:
+            time.sleep(1.0)
+            running = self._running
+            if running is None:
+                continue
+            name, start = running
+            waited = time.monotonic() - start
+            if waited > config.get("stall_warning_s") and warned is not running:
+                warned = running
+                logging.getLogger("pycoll").warning(
+                    "pycoll: %s has run for %.0f s; a rank may have skipped it or died "
+                    "(PYCOLL_CHECK=1 names the ranks)", name, waited)
+            if waited > config.get("timeout") + 5.0:
+                self._on_stuck(f"pycoll: {name} has not completed after {waited:.0f} s "
+                               "(PYCOLL_TIMEOUT); a rank skipped it, is stuck elsewhere or "
+                               "died. Ending the job; rerun with PYCOLL_CHECK=1 to name the "
+                               "ranks.")
+                return
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -127,7 +162,7 @@ class Engine:
                 batch = self._ready.popleft()
                 self._busy = True
             try:
-                results = batch.run(batch.items)
+                results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
                 for work, result in zip(batch.works, results):
                     work._finish(result)
             except BaseException as error:      # delivered to whoever waits on the Works

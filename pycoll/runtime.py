@@ -81,11 +81,18 @@ def init(comm=None, **options) -> None:
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
-    _state.engine = Engine()
+    _state.engine = Engine(on_stuck=_abort)
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
     log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
              _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
+
+
+def _abort(message: str) -> None:
+    """End every rank of the job: the only way out of an MPI call that never returns."""
+    from mpi4py import MPI
+    logging.getLogger("pycoll").error(message)
+    MPI.COMM_WORLD.Abort(1)
 
 
 def shutdown() -> None:

@@ -4,6 +4,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))    # fakegpu and helpers import as top-level
+# The suite always runs with mismatch checks: a broken test fails loudly instead of hanging.
+os.environ.setdefault("PYCOLL_CHECK", "1")
 
 
 def pytest_configure(config):

@@ -25,8 +25,8 @@ def job(tmp_path, body: str, ranks: int = 3, **env):
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "OMPI_COMM"))}
-    environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                   PYCOLL_TIMEOUT="4", PYCOLL_CHECK="1", **env)
+    environ.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "PYCOLL_TIMEOUT": "4", "PYCOLL_CHECK": "1", **env})
     out = subprocess.run([sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(ranks),
                           "python", str(script)], env=environ, capture_output=True, text=True,
                          timeout=90)
@@ -53,6 +53,17 @@ def test_rank_that_skips_a_collective_and_stalls(tmp_path):
     assert code != 0
     assert "CollectiveTimeout" in text and "ranks [1] did not join within 4 s" in text
     assert "has waited 1 s for ranks [1]" in text            # the stall warning came first
+
+
+def test_without_checks_a_stalled_job_ends_instead_of_hanging(tmp_path):
+    code, text = job(tmp_path, """
+        if rank == 1:
+            time.sleep(60)
+        pycoll.allreduce(np.ones(3), name="grads")
+    """, PYCOLL_CHECK="0", PYCOLL_STALL_WARNING_S="1")
+    assert code != 0
+    assert "grads has run for" in text                      # the stall warning
+    assert "grads has not completed after" in text and "PYCOLL_CHECK=1" in text
 
 
 def test_mismatched_shapes_raise_on_every_rank(tmp_path):

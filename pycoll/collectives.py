@@ -72,8 +72,7 @@ def _pieces(nbytes: int, itemsize: int):
     """(offset, nbytes) pieces of at most _PIECE elements, so counts fit MPI's C ints;
     an elementwise operation may be split anywhere."""
     step = _PIECE * itemsize
-    return [(0, nbytes)] if nbytes <= step else \
-        [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
 
 
 def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:

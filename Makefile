@@ -1,7 +1,7 @@
 # make demo: set up .venv and train the digits MLP on 4 ranks.
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks).
-# make bench: the collectives benchmark at 2 and 4 ranks.
+# make bench: the collectives and fusion benchmarks at 2 and 4 ranks (bench/results/).
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -34,8 +34,14 @@ test: install
 	done
 
 bench: install
-	$(RUN) -np 2 python bench/collectives.py --json bench/results/collectives-np2.json
-	$(RUN) -np 4 python bench/collectives.py --json bench/results/collectives-np4.json
+	mkdir -p bench/results
+	$(RUN) -np 2 python bench/collectives.py --json bench/results/collectives-np2.json --plot bench/results/collectives-np2.png
+	$(RUN) -np 4 python bench/collectives.py --json bench/results/collectives-np4.json --plot bench/results/collectives-np4.png
+	$(RUN) -np 2 python bench/fusion.py --json bench/results/fusion-np2.json
+	$(RUN) -np 4 python bench/fusion.py --json bench/results/fusion-np4.json
+	for n in 2 4; do $(RUN) -np $$n python bench/torch_training.py --json bench/results/torch-training-np$$n.json || exit 1; done
+	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
+	$(PY) bench/ps_training.py --out bench/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info pycoll/_C*.so

@@ -65,10 +65,10 @@ KNOBS = {k.name: k for k in (
          "hand GPU buffers to MPI directly instead of staging them through host memory"),
     Knob("slowdown", {}, parse_slowdown,
          "RANK:FACTOR[,RANK:FACTOR]: pycoll.slowdown() makes these ranks' compute FACTOR times slower"),
-    Knob("partial_cache_after", 3, int,
-         "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
     Knob("servers", 1, int,
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
+    Knob("partial_cache_after", 3, int,
+         "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
 )}
 
 _overrides: dict = {}

@@ -1,0 +1,27 @@
+"""Horovod's PyTorch API on pycoll, and the "pycoll" torch.distributed backend.
+
+    import pycoll.torch as hvd          # a Horovod script runs by changing its import
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters())
+
+    import pycoll.torch                 # or: DDP over MPI
+    torch.distributed.init_process_group("pycoll")
+
+Importing registers the backend; under an MPI launcher it also sets torch's rendezvous
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) where unset, which is a
+collective: every rank imports pycoll.torch.
+"""
+from .api import (Average, Max, Min, Product, ProcessSet, Sum, add_process_set, allgather,
+                  allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
+                  allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+                  broadcast_async, broadcast_async_, broadcast_object, broadcast_optimizer_state,
+                  broadcast_parameters, global_process_set, grouped_allreduce,
+                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, init,
+                  is_initialized, local_rank, local_size, poll, rank, reducescatter,
+                  reducescatter_async, remove_process_set, shutdown, size, synchronize)
+from .backend import ProcessGroupPycoll, register as _register, set_rendezvous_env as _rendezvous
+from .compression import Compression
+from .optimizer import DistributedOptimizer
+
+_register()
+_rendezvous()

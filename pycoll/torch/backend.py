@@ -1,0 +1,490 @@
+"""The "pycoll" torch.distributed backend: a Python ``ProcessGroup`` over pycoll.
+
+    import pycoll.torch                     # registers the backend
+    torch.distributed.init_process_group("pycoll")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Every collective is issued to pycoll's engine as an async operation, followed by a
+small completion step queued behind it: the engine runs operations in issue order, so
+when the step runs the operation is done, and the step copies results into torch's
+output tensors and completes the ``torch.futures.Future`` that ``get_future()`` returns
+(the one DDP waits on) on the engine thread, without another thread switch.
+
+Collectives pycoll has no primitive for are built from one that moves no more data
+than needed: ``scatter`` is an alltoall in which only the root sends; ``reduce`` and
+``gather`` are an allreduce and an allgather whose result only the root keeps.
+Point-to-point ``send``/``recv`` are MPI ``Isend``/``Irecv`` on the group's private
+communicator, posted from the calling thread (MPI_THREAD_MULTIPLE) and completed by
+one polling thread, so they never block the engine's collectives.
+"""
+import datetime
+import os
+import socket
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import pycoll
+from pycoll import runtime
+from pycoll.tensors import as_buffer
+
+BACKEND = "pycoll"
+_LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+
+
+def reduce_op(op) -> "pycoll.ReduceOp":
+    """torch.distributed's ReduceOp -> pycoll's; a clear error for the others."""
+    kind = getattr(op, "op", op)                  # ReduceOp wraps a RedOpType
+    table = {dist.ReduceOp.SUM: pycoll.Sum, dist.ReduceOp.AVG: pycoll.Average,
+             dist.ReduceOp.MIN: pycoll.Min, dist.ReduceOp.MAX: pycoll.Max,
+             dist.ReduceOp.PRODUCT: pycoll.Product}
+    for torch_op, ours in table.items():
+        if kind == torch_op:
+            return ours
+    raise ValueError(f"the pycoll backend reduces with SUM, AVG, MIN, MAX and PRODUCT; got {op}")
+
+
+def _seconds(timeout) -> Optional[float]:
+    """torch's Work.wait timeout (a timedelta; zero means none) -> seconds or None."""
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    return timeout or None
+
+
+class PycollWork(dist.Work):
+    """A torch Work over the engine's completion step: ``wait(timeout)`` raises the
+    operation's error or ``pycoll.CollectiveTimeout``; ``get_future()`` is what DDP uses."""
+
+    def __init__(self, future: torch.futures.Future, done: pycoll.Work):
+        super().__init__()
+        self._future, self._done = future, done
+
+    def wait(self, timeout=None) -> bool:
+        self._done.wait(_seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._done.exception() is None
+
+    def exception(self):
+        return self._done.exception()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self):
+        return self._future.wait()
+
+
+def _complete(works: Sequence[pycoll.Work], finish: Callable[[list], object], name: str):
+    """Queue, behind ``works``, the step that runs ``finish(results)`` and completes the
+    future with what it returns (the output tensors)."""
+    future = torch.futures.Future()
+
+    def step():
+        try:
+            value = finish([w.wait() for w in works])
+        except BaseException as error:
+            future.set_exception(error)
+            raise
+        future.set_result(value)
+        return value
+    return PycollWork(future, runtime.engine().submit(step, name))
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _split_into(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outputs`` (shapes from the outputs)."""
+    offset = 0
+    for out in outputs:
+        n = out.numel()
+        out.copy_(flat[offset:offset + n].view(out.shape))
+        offset += n
+
+
+def _one_tensor(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"the pycoll backend's {what} takes one tensor per process, "
+                         f"got {len(tensors)}")
+    return tensors[0]
+
+
+class ProcessGroupPycoll(dist.ProcessGroup):
+    """torch.distributed's collectives on a ``pycoll.Group``; ranks are group ranks."""
+
+    def __init__(self, group: pycoll.Group):
+        super().__init__(group.rank(), group.size())
+        self.group = group
+        self._p2p_comm = None                     # created on first send/recv
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    @property
+    def _ranks(self) -> int:
+        return self.group.size()
+
+    # ------------------------------------------------------------ reductions
+    def allreduce(self, tensors, opts=None):
+        return self.allreduce_coalesced(tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        work = pycoll.grouped_allreduce_async_(list(tensors), op=op, group=self.group,
+                                               name="torch.allreduce")
+        return _complete([work], lambda _: list(tensors), "torch.allreduce")
+
+    def reduce(self, tensors, opts=None):
+        tensor = _one_tensor(tensors, "reduce")
+        op, root = reduce_op(opts.reduceOp), opts.rootRank
+        self._check_root(root)
+        work = pycoll.allreduce_async(tensor, op=op, group=self.group, name="torch.reduce")
+
+        def finish(results):
+            if self.group.rank() == root:
+                tensor.copy_(results[0])
+            return [tensor]
+        return _complete([work], finish, "torch.reduce")
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        output, inputs = _one_tensor(outputs, "reduce_scatter"), _one_tensor(input_lists, "reduce_scatter")
+        self._check_count(inputs, "reduce_scatter's input list")
+        rows = _flat(inputs).view(self._ranks, -1)
+        return self._reduce_scatter(output, rows, op)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if input.numel() != output.numel() * self._ranks:
+            raise ValueError(f"reduce_scatter_tensor needs an input of {self._ranks} x the "
+                             f"output's {output.numel()} elements, got {input.numel()}")
+        return self._reduce_scatter(output, input.reshape(self._ranks, -1), op)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    def _reduce_scatter(self, output, rows, op):
+        work = pycoll.reduce_scatter_async(rows.contiguous(), op=op, group=self.group,
+                                           name="torch.reduce_scatter")
+
+        def finish(results):
+            output.copy_(results[0].view(output.shape))
+            return [output]
+        return _complete([work], finish, "torch.reduce_scatter")
+
+    # ------------------------------------------------------------ data movement
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root)
+        works = [pycoll.broadcast_async_(t, root=root, group=self.group, name="torch.broadcast")
+                 for t in tensors]
+        return _complete(works, lambda _: list(tensors), "torch.broadcast")
+
+    def allgather(self, output_lists, inputs, opts=None):
+        outputs, tensor = _one_tensor(output_lists, "allgather"), _one_tensor(inputs, "allgather")
+        self._check_count(outputs, "all_gather's output list")
+        work = pycoll.allgather_async(tensor.reshape(-1), group=self.group, name="torch.allgather")
+
+        def finish(results):
+            _split_into(results[0], outputs)
+            return [outputs]
+        return _complete([work], finish, "torch.allgather")
+
+    def all_gather_single(self, output, input, opts=None):
+        if output.numel() != input.numel() * self._ranks:
+            raise ValueError(f"all_gather_into_tensor needs an output of {self._ranks} x the "
+                             f"input's {input.numel()} elements, got {output.numel()}")
+        work = pycoll.allgather_async(input.reshape(-1), group=self.group,
+                                      name="torch.all_gather_into_tensor")
+
+        def finish(results):
+            output.copy_(results[0].view(output.shape))
+            return [output]
+        return _complete([work], finish, "torch.all_gather_into_tensor")
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, inputs)]
+        return works[-1] if works else self.barrier()
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[-1] if works else self.barrier()
+
+    def gather(self, output_lists, inputs, opts=None):
+        root = opts.rootRank
+        self._check_root(root)
+        tensor = _one_tensor(inputs, "gather")
+        outputs = output_lists[0] if self.group.rank() == root else []
+        if outputs:
+            self._check_count(outputs, "gather's output list")
+        work = pycoll.allgather_async(tensor.reshape(-1), group=self.group, name="torch.gather")
+
+        def finish(results):
+            _split_into(results[0], outputs)
+            return [outputs]
+        return _complete([work], finish, "torch.gather")
+
+    def scatter(self, outputs, input_lists, opts=None):
+        root = opts.rootRank
+        self._check_root(root)
+        output = _one_tensor(outputs, "scatter")
+        if self.group.rank() == root:
+            inputs = _one_tensor(input_lists, "scatter")
+            self._check_count(inputs, "scatter's input list")
+            send, splits = _flat(inputs), [t.numel() for t in inputs]
+        else:
+            send, splits = output.new_empty(0), [0] * self._ranks
+        return self._alltoall(send.reshape(-1), splits, [output], "torch.scatter")
+
+    def alltoall(self, outputs, inputs, opts=None):
+        self._check_count(inputs, "all_to_all's input list")
+        self._check_count(outputs, "all_to_all's output list")
+        return self._alltoall(_flat(inputs), [t.numel() for t in inputs], outputs,
+                              "torch.all_to_all")
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        splits = list(input_splits) if input_splits else None
+        work = pycoll.alltoall_async(input.contiguous(), splits=splits, group=self.group,
+                                     name="torch.all_to_all_single")
+
+        def finish(results):
+            received, received_splits = results[0]
+            if output_splits and list(received_splits) != list(output_splits):
+                raise ValueError(f"all_to_all_single: expected rows {list(output_splits)} from "
+                                 f"the ranks, received {list(received_splits)}")
+            output.copy_(received.view(output.shape))
+            return [output]
+        return _complete([work], finish, "torch.all_to_all_single")
+
+    def _alltoall(self, send, splits, outputs, name):
+        work = pycoll.alltoall_async(send, splits=splits, group=self.group, name=name)
+
+        def finish(results):
+            _split_into(results[0][0], outputs)
+            return list(outputs)
+        return _complete([work], finish, name)
+
+    def barrier(self, opts=None):
+        work = pycoll.barrier_async(group=self.group, name="torch.barrier")
+        return _complete([work], lambda _: [], "torch.barrier")
+
+    # ------------------------------------------------------------ point to point
+    def send(self, tensors, dst, tag=0):
+        tensor = _one_tensor(tensors, "send")
+        host = tensor.detach().cpu().contiguous()
+        request = self._p2p().Isend(_message(host), dest=dst, tag=tag)
+        return _poller().watch(request, lambda status: [tensor], keep=host)
+
+    def recv(self, tensors, src, tag=0):
+        return self._recv(_one_tensor(tensors, "recv"), src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        from mpi4py import MPI
+        return self._recv(_one_tensor(tensors, "recv"), MPI.ANY_SOURCE, tag)
+
+    def _recv(self, tensor, src, tag):
+        host = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() \
+            else torch.empty(tensor.shape, dtype=tensor.dtype)
+        request = self._p2p().Irecv(_message(host), source=src, tag=tag)
+
+        def finish(status):
+            if host is not tensor:
+                tensor.copy_(host)
+            return [tensor]
+        return _poller().watch(request, finish, keep=host)
+
+    def _p2p(self):
+        """The group's own communicator for send/recv: their messages never match the
+        engine's collectives."""
+        from mpi4py import MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("send/recv on the pycoll backend need MPI_THREAD_MULTIPLE "
+                               "(mpi4py's default); MPI was initialized with less")
+        if self._p2p_comm is None:
+            self._p2p_comm = runtime.engine().run(self.group.comm.Dup, "torch.p2p_comm")
+        return self._p2p_comm
+
+    # ------------------------------------------------------------ checks
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self._ranks:
+            raise ValueError(f"root rank {root} is not a rank of this group of {self._ranks}")
+
+    def _check_count(self, tensors, what: str) -> None:
+        if len(tensors) != self._ranks:
+            raise ValueError(f"{what} needs one tensor per rank ({self._ranks}), got {len(tensors)}")
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"
+
+
+def _message(tensor: torch.Tensor):
+    from mpi4py import MPI
+    buf = as_buffer(tensor)
+    return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), MPI.BYTE]
+
+
+class _P2PWork(dist.Work):
+    """A send or receive in flight; the poller completes it."""
+
+    def __init__(self, finish, keep):
+        super().__init__()
+        self.future = torch.futures.Future()
+        self._finish, self._keep = finish, keep
+        self._done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self.source = -1
+
+    def complete(self, status) -> None:
+        self.source = status.Get_source()
+        try:
+            self.future.set_result(self._finish(status))
+        except BaseException as error:
+            self._error = error
+            self.future.set_exception(error)
+        self._keep = None
+        self._done.set()
+
+    def wait(self, timeout=None) -> bool:
+        timeout = _seconds(timeout) or pycoll.config.get("timeout")
+        if not self._done.wait(timeout):
+            raise pycoll.CollectiveTimeout(f"pycoll: send/recv did not complete within "
+                                           f"{timeout:g} s; is the peer posting its side?")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self.source
+
+
+class _Poller:
+    """One thread that tests the pending send/recv requests and completes their Works;
+    it sleeps (backing off to 1 ms) while they are pending and blocks when none is."""
+
+    def __init__(self):
+        self._pending: List[tuple] = []
+        self._cv = threading.Condition()
+        threading.Thread(target=self._loop, name="pycoll-torch-p2p", daemon=True).start()
+
+    def watch(self, request, finish, keep) -> _P2PWork:
+        work = _P2PWork(finish, keep)
+        with self._cv:
+            self._pending.append((request, work))
+            self._cv.notify()
+        return work
+
+    def _loop(self) -> None:
+        from mpi4py import MPI
+        pause = 5e-5
+        while True:
+            with self._cv:
+                while not self._pending:
+                    self._cv.wait()
+                    pause = 5e-5
+                pending = list(self._pending)
+            finished = []
+            for request, work in pending:
+                status = MPI.Status()
+                if request.Test(status):
+                    work.complete(status)
+                    finished.append(work)
+            with self._cv:
+                self._pending = [p for p in self._pending if p[1] not in finished]
+            pause = 5e-5 if finished else min(2 * pause, 1e-3)
+            time.sleep(pause)
+
+
+_the_poller: Optional[_Poller] = None
+_poller_lock = threading.Lock()
+
+
+def _poller() -> _Poller:
+    global _the_poller
+    with _poller_lock:
+        if _the_poller is None:
+            _the_poller = _Poller()
+        return _the_poller
+
+
+# ---------------------------------------------------------------- registration
+
+def _create(options, backend_options=None) -> ProcessGroupPycoll:
+    """torch's factory for the backend (extended API: it names the group's global ranks)."""
+    pycoll.init()
+    world = runtime.world()
+    ranks = list(options.global_ranks_in_group) or list(range(world.size()))
+    if options.group_size != len(ranks):
+        raise ValueError(f"torch.distributed asked for a group of {options.group_size} ranks "
+                         f"but named {len(ranks)}: {ranks}")
+    if sorted(ranks) == list(range(world.size())) and ranks == sorted(ranks):
+        group = world
+    else:
+        group = pycoll.new_group(ranks)
+    if tuple(group.ranks) != tuple(ranks) or group.rank() != options.group_rank:
+        raise ValueError(
+            f"torch.distributed's rank {options.group_rank} in ranks {ranks} is not pycoll's "
+            f"(rank {group.rank()} in {list(group.ranks)}); leave RANK and WORLD_SIZE to "
+            "pycoll under pycollrun, or set them to the MPI rank and size")
+    return ProcessGroupPycoll(group)
+
+
+def _launched_by_mpi() -> bool:
+    return any(name in os.environ for name in _LAUNCHER_SIZE_VARIABLES)
+
+
+def set_rendezvous_env() -> None:
+    """Under an MPI launcher, give torch's ``env://`` rendezvous what it asks for:
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from pycoll, and MASTER_ADDR and
+    MASTER_PORT (a free port on rank 0, broadcast over MPI). Variables the user set are
+    kept. Collective over the world: every rank calls it (importing pycoll.torch does)."""
+    if not _launched_by_mpi() or ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        return
+    from .api import broadcast_object
+    pycoll.init()
+    for name, value in (("RANK", pycoll.rank()), ("WORLD_SIZE", pycoll.size()),
+                        ("LOCAL_RANK", pycoll.local_rank()),
+                        ("LOCAL_WORLD_SIZE", pycoll.local_size())):
+        os.environ.setdefault(name, str(value))
+    address = None
+    if pycoll.rank() == 0:
+        with socket.socket() as probe:      # the OS picks a free port; TCPStore binds it next
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        host = "127.0.0.1" if pycoll.local_size() == pycoll.size() else \
+            socket.gethostbyname(socket.gethostname())
+        address = (host, port)
+    host, port = broadcast_object(address, root_rank=0, name="torch.rendezvous")
+    os.environ.setdefault("MASTER_ADDR", host)
+    os.environ.setdefault("MASTER_PORT", str(port))
+
+
+def register() -> None:
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,273 @@
+"""The "pycoll" torch.distributed backend against gloo, and DDP on it (any rank count).
+
+The default process group is pycoll's (``init_process_group("pycoll")`` with no
+rendezvous set-up: importing pycoll.torch provides it under MPI); a gloo group over the
+same ranks is created beside it, and every collective must give gloo's result.
+"""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import pycoll  # noqa: E402
+import pycoll.torch  # noqa: E402,F401  (registers the backend)
+
+# all_gather_into_tensor and reduce_scatter_tensor are the names the issue (and most
+# code) uses; torch 2.13 deprecates them in favour of *_single, which run the same method.
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:.*is deprecated. Please use:FutureWarning")]
+
+_groups = {}
+
+
+@pytest.fixture(scope="module")
+def world():
+    if not dist.is_initialized():
+        dist.init_process_group("pycoll")
+    assert dist.get_backend() == "pycoll"
+    assert (dist.get_rank(), dist.get_world_size()) == (pycoll.rank(), pycoll.size())
+    return dist.get_rank(), dist.get_world_size()
+
+
+@pytest.fixture(params=["world", "subgroup"])
+def groups(request, world):
+    """(pycoll group, gloo group over the same ranks, rank in them, their size); the
+    subgroup is every rank but the last (all ranks at size 1). Skips on non-members."""
+    kind = request.param
+    if kind not in _groups:
+        n = dist.get_world_size()
+        ranks = list(range(n)) if kind == "world" else list(range(max(1, n - 1)))
+        _groups[kind] = (ranks, dist.new_group(ranks, backend="pycoll"),
+                         dist.new_group(ranks, backend="gloo"))
+    ranks, ours, gloo = _groups[kind]
+    if dist.get_rank() not in ranks:
+        pytest.skip("this rank is outside the subgroup")
+    return ours, gloo, ranks.index(dist.get_rank()), len(ranks)
+
+
+def values(rank, shape=(6,), dtype=torch.float32, seed=0):
+    """Small integers (exact sums and products in every dtype), different per rank."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randint(1, 4, shape, generator=g).to(dtype)
+
+
+def both(groups, run):
+    """``run(group)`` on pycoll's group and on gloo's; the two results."""
+    ours, gloo = groups[0], groups[1]
+    return run(ours), run(gloo)
+
+
+def assert_same(a, b):
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a, b)
+
+
+OPS = [dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64])
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_all_reduce(groups, dtype, op):
+    rank = groups[2]
+
+    def run(g):
+        x = values(rank, (2, 5), dtype)
+        dist.all_reduce(x, op=op, group=g)
+        return x
+    assert_same(*both(groups, run))
+
+
+def test_all_reduce_avg_and_async_future(groups):
+    ours, gloo, rank, size = groups
+    x = values(rank)
+    work = dist.all_reduce(x, op=dist.ReduceOp.AVG, group=ours, async_op=True)
+    (result,) = work.get_future().wait()
+    work.wait()
+    assert work.is_completed()
+    total = values(rank)
+    dist.all_reduce(total, group=gloo)                 # gloo has no AVG: SUM / size
+    torch.testing.assert_close(result, total / size)
+
+
+def test_all_reduce_coalesced(groups):
+    rank = groups[2]
+
+    def run(g):
+        xs = [values(rank, (3,), seed=1), values(rank, (2, 2), seed=2), values(rank, (0,))]
+        dist.all_reduce_coalesced(xs, group=g)
+        return xs
+    with pytest.warns(FutureWarning):
+        assert_same(*both(groups, run))
+
+
+@pytest.mark.parametrize("root", [0, -1])
+def test_broadcast(groups, root):
+    rank, size = groups[2], groups[3]
+    root %= size
+
+    def run(g):
+        x = values(rank, (4, 3), torch.float64)
+        dist.broadcast(x, group_src=root, group=g)
+        return x
+    assert_same(*both(groups, run))
+
+
+def test_all_gather_and_into_tensor(groups):
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        out = [torch.empty(2, 3) for _ in range(size)]
+        dist.all_gather(out, values(rank, (2, 3)), group=g)
+        flat = torch.empty(size * 2, 3)
+        dist.all_gather_into_tensor(flat, values(rank, (2, 3), seed=3), group=g)
+        return out + [flat]
+    assert_same(*both(groups, run))
+
+
+def test_reduce_scatter_and_tensor(groups):
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        out = torch.empty(3)
+        dist.reduce_scatter(out, [values(rank, (3,), seed=s) for s in range(size)], group=g)
+        single = torch.empty(2, 2)
+        dist.reduce_scatter_tensor(single, values(rank, (2 * size, 2), seed=9), group=g)
+        return [out, single]
+    assert_same(*both(groups, run))
+
+
+def test_all_to_all_single(groups):
+    rank, size = groups[2], groups[3]
+    # rank r sends r + d rows to rank d: uneven splits both ways
+    send_splits = [rank + d for d in range(size)]
+    recv_splits = [s + rank for s in range(size)]
+
+    def run(g):
+        even = torch.empty(2 * size, 3)
+        dist.all_to_all_single(even, values(rank, (2 * size, 3)), group=g)
+        uneven = torch.empty(sum(recv_splits), 2)
+        dist.all_to_all_single(uneven, values(rank, (sum(send_splits), 2), seed=4),
+                               output_split_sizes=recv_splits,
+                               input_split_sizes=send_splits, group=g)
+        return [even, uneven]
+    assert_same(*both(groups, run))
+
+
+def test_all_to_all_lists(groups):
+    ours, _, rank, size = groups
+    inputs = [torch.full((d + 1, 2), float(10 * rank + d)) for d in range(size)]
+    outputs = [torch.empty(rank + 1, 2) for _ in range(size)]
+    dist.all_to_all(outputs, inputs, group=ours)      # gloo has no list all_to_all
+    for src, out in enumerate(outputs):
+        assert torch.equal(out, torch.full((rank + 1, 2), float(10 * src + rank)))
+
+
+def test_reduce_gather_scatter(groups):
+    rank, size = groups[2], groups[3]
+    root = size - 1
+
+    def run(g):
+        reduced = values(rank, (5,))
+        dist.reduce(reduced, dst=dist.get_global_rank(g, root), op=dist.ReduceOp.MAX, group=g)
+        gathered = [torch.empty(4) for _ in range(size)] if rank == root else None
+        dist.gather(values(rank, (4,), seed=5), gathered, group_dst=root, group=g)
+        scattered = torch.empty(2, 2)
+        chunks = [values(r, (2, 2), seed=6) for r in range(size)] if rank == root else None
+        dist.scatter(scattered, chunks, group_src=root, group=g)
+        return ([reduced] + gathered if rank == root else []) + [scattered]
+    assert_same(*both(groups, run))
+
+
+def test_send_recv_ring(groups):
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        got = torch.empty(3, dtype=torch.int64)
+        if size == 1:
+            return [got.fill_(rank)]
+        ops = [dist.P2POp(dist.isend, values(rank, (3,), torch.int64), group=g,
+                          group_peer=(rank + 1) % size),
+               dist.P2POp(dist.irecv, got, group=g, group_peer=(rank - 1) % size)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if rank == 0:
+            dist.send(got * 2, group_dst=1, group=g)
+        elif rank == 1:
+            dist.recv(got, group_src=0, group=g)
+        return [got]
+    assert_same(*both(groups, run))
+
+
+def test_objects_and_barrier(groups):
+    ours, _, rank, size = groups
+    gathered = [None] * size
+    dist.all_gather_object(gathered, {"rank": rank, "text": "x" * rank}, group=ours)
+    assert gathered == [{"rank": r, "text": "x" * r} for r in range(size)]
+    objects = [("from root", [1, 2]) if rank == 0 else None]
+    dist.broadcast_object_list(objects, group_src=0, group=ours)
+    assert objects == [("from root", [1, 2])]
+    dist.barrier(group=ours)
+
+
+def test_bad_input_is_refused(groups):
+    ours, _, rank, size = groups
+    with pytest.raises(ValueError, match="SUM, AVG"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, group=ours)
+    with pytest.raises(ValueError, match="all_gather_into_tensor needs"):
+        dist.all_gather_into_tensor(torch.empty(size + 1), torch.ones(1), group=ours)
+    dist.barrier(group=ours)
+
+
+# ---------------------------------------------------------------- DDP
+
+def _data(size, steps=4, per_rank=4):
+    g = torch.Generator().manual_seed(7)
+    xs = torch.randn(steps, per_rank * size, 10, generator=g)
+    ys = torch.randint(0, 3, (steps, per_rank * size), generator=g)
+    return xs, ys
+
+
+def _model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _train(model, xs, ys, rank, size):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in zip(xs, ys):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rank::size]), y[rank::size]).backward()
+        optimizer.step()
+
+
+def test_ddp_replicas_identical_and_equal_to_one_process(groups):
+    ours, _, rank, size = groups
+    torch.manual_seed(100 + rank)                  # DDP must broadcast rank 0's weights
+    model = _model() if rank == 0 else torch.nn.Sequential(
+        torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ours,
+                                                    bucket_cap_mb=0.001)   # several buckets
+    xs, ys = _data(size)
+    _train(ddp, xs, ys, rank, size)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(everyone, flat, group=ours)
+    assert all(torch.equal(flat, other) for other in everyone)      # bit-identical
+    reference = _model()
+    _train(reference, xs, ys, 0, 1)
+    torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1)
+                                                for p in reference.parameters()]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_rendezvous_variables_come_from_mpi(world):
+    rank, size = world
+    assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(size)
+    assert int(os.environ["MASTER_PORT"]) > 0

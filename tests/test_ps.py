@@ -1,0 +1,134 @@
+"""pycoll.ps: layout and policies in-process; whole jobs (servers + workers) through
+pycollrun at several counts, each a few seconds (tests/ps_job.py holds the jobs)."""
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pycoll.ps import policy as pol
+from pycoll.ps.layout import plan
+from pycoll.ps.optim import SGD, Shard
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def job(np_, servers, *args, timeout_s=20, expect_ok=True):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
+           str(servers), "--timeout", str(timeout_s), "python", str(ROOT / "tests" / "ps_job.py"),
+           *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    if expect_ok:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+# ---------------------------------------------------------------- in-process
+def test_layout_splits_big_keys_and_balances_small_ones():
+    keys = plan([("big", (1000, 1000), "float32"), ("a", (10,), "float32"),
+                 ("b", (10,), "float64"), ("c", (3,), "float16")], servers=3)
+    big = keys["big"].ranges
+    assert [r.server for r in big] == [0, 1, 2] and big[0].lo == 0 and big[-1].hi == 10**6
+    assert all(r.hi == n.lo for r, n in zip(big, big[1:]))
+    assert [keys[k].ranges[0].server for k in "abc"] == [0, 1, 2]     # least loaded first
+    with pytest.raises(ValueError, match="declared twice"):
+        plan([("a", (1,), "float32")] * 2, servers=1)
+
+
+def test_policies_decide_when_pulls_wait():
+    sync = pol.SyncState([5, 2, 4], [True, True, True])
+    assert pol.BSP().wait_for(sync, 0) == 5 and pol.BSP().rounds
+    assert pol.ASP().wait_for(sync, 0) <= sync.min_clock
+    ssp = pol.make("ssp:2")
+    assert ssp.wait_for(sync, 0) == 3 and not ssp.buffers          # lead 3 > 2: must wait
+    assert ssp.wait_for(sync, 2) == 2                               # lead 2: may read
+    sync.active[1] = False                                          # a done worker holds no one
+    assert sync.min_clock == 4
+    with pytest.raises(ValueError, match="unknown PS policy"):
+        pol.make("bsp:2")
+
+
+def test_fluentps_pauses_more_the_further_ahead_and_never_past_the_bound():
+    fluent = pol.FluentPS(4)
+    paused = {}
+    for lead in range(0, 7):
+        sync = pol.SyncState([10 + lead, 10], [True, True], random.Random(lead))
+        needs = [fluent.wait_for(sync, 0) for _ in range(2000)]
+        paused[lead] = np.mean([n > sync.min_clock for n in needs])
+        assert all(sync.clocks[0] - n <= 4 for n in needs)           # the SSP bound
+    assert paused[0] == paused[1] == paused[2] == 0
+    assert 0 < paused[3] < paused[4] < 1 and paused[5] == paused[6] == 1
+
+
+def test_server_sgd_matches_torch():
+    torch = pytest.importorskip("torch")
+    sgd = SGD(lr=0.1, momentum=0.9, weight_decay=0.01)
+    shard = Shard("float32", 5, 0, 5)
+    shard.params[:] = np.arange(5, dtype=np.float32)
+    p = torch.nn.Parameter(torch.arange(5, dtype=torch.float32))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    for step in range(4):
+        g = np.full(5, step - 1.5, np.float32)
+        shard.apply(g.copy(), sgd)
+        p.grad = torch.from_numpy(g)
+        opt.step()
+    np.testing.assert_allclose(shard.params, p.detach().numpy(), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- whole jobs
+@pytest.mark.parametrize("servers,workers", [(1, 2), (2, 3)])
+def test_bsp_equals_synchronous_sgd(servers, workers):
+    out = job(servers + workers, servers, "bsp").stdout
+    assert out.count("BSP matches synchronous SGD after 6 steps") == workers
+    assert f"w spans {servers} servers" in out
+
+
+@pytest.mark.parametrize("policy,bound", [("ssp:2", 2), ("fluentps:2", 2), ("bsp", 0)])
+def test_pulls_are_never_staler_than_the_bound(policy, bound):
+    out = job(5, 2, "staleness", policy).stdout                       # 3 workers, 2 servers
+    found = [int(m) for m in re.findall(r"max staleness (\d+)", out)]
+    assert len(found) == 3 and max(found) <= bound, out
+    reported = [int(m) for m in re.findall(r"reported (\d+)", out)]
+    assert reported == found, out                                     # the counters agree
+
+
+def test_checkpoint_resumes(tmp_path):
+    first = job(3, 1, "checkpoint", str(tmp_path), "first").stdout
+    assert first.count("saved at clock 5") == 2
+    assert (tmp_path / "server-0.pkl").exists()
+    second = job(3, 1, "checkpoint", str(tmp_path), "second").stdout
+    assert second.count("resumed at clock 5") == 2
+
+
+def test_hung_server_fails_the_job_naming_it():
+    start = time.monotonic()
+    out = job(3, 1, "dying_server", "stop", timeout_s=3, expect_ok=False)
+    assert out.returncode != 0
+    assert "server 0 (world rank 2) did not answer" in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - start < 30
+
+
+def test_killed_server_ends_the_job_naming_its_rank():
+    start = time.monotonic()
+    out = job(3, 1, "dying_server", "kill", timeout_s=3, expect_ok=False)
+    assert out.returncode != 0
+    assert re.search(r"rank 2\b.*\n?.*(signal 9|Killed)|world rank 2", out.stdout + out.stderr)
+    assert time.monotonic() - start < 30
+
+
+def test_torch_example_trains():
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run([sys.executable, "-m", "pycoll.launch.pycollrun", "-np", "3",
+                          "--servers", "1", "python", str(ROOT / "examples" / "ps_digits.py"),
+                          "--policy", "fluentps:2", "--epochs", "4"],
+                         env=env, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr
+    accuracy = float(re.search(r"final test accuracy ([\d.]+)%", out.stdout).group(1))
+    assert accuracy > 90, out.stdout

@@ -84,6 +84,8 @@ class Engine:
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:
         """Run ``thunk`` after everything issued before it; its result."""
+        if threading.current_thread() is self._thread:
+            return thunk()      # called back from a running batch: waiting would deadlock
         with self._cv:
             inline = not self._ready and not self._busy and self._open is None
             self._busy = self._busy or inline

@@ -142,3 +142,11 @@ def test_error_reaches_the_work_and_engine_goes_on(group, monkeypatch):
         work.wait()
     assert isinstance(work.exception(), RuntimeError)
     np.testing.assert_array_equal(pycoll.allreduce(np.ones(3), op=pycoll.Sum, group=arg), size)
+
+
+def test_blocking_call_from_a_running_batch_does_not_deadlock(group):
+    """What a DDP comm hook's callback may do: a blocking collective inside a Work."""
+    arg, rank, size = group
+    inner = pycoll.runtime.engine().submit(
+        lambda: pycoll.allreduce(np.ones(2), op=pycoll.Sum, group=arg), "callback")
+    np.testing.assert_array_equal(inner.wait(timeout=60), size)

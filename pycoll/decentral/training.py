@@ -1,0 +1,145 @@
+"""Torch wrappers that keep replicas of any ``nn.Module`` in step, three ways.
+
+    sync = Ripples(model, GroupGenerator(group_size=3))     # or ADPSGD(model), AllReduce(model)
+    for batch in data:
+        loss_fn(model(x), y).backward()
+        sync.step(optimizer)            # optimizer.step() plus this scheme's communication
+        optimizer.zero_grad()
+    sync.close()                        # collective: everyone leaves together
+
+- ``AllReduce``: synchronous data parallel; gradients are averaged before the update.
+- ``Ripples``: local update, then the model is averaged with this step's group through
+  ``pycoll.partial_allreduce_`` (Luo et al., 2019).
+- ``ADPSGD``: local update, then the model is averaged with one random neighbour (Lian et
+  al., 2018). Workers split into active (even ranks) and passive (odd ranks) sets; only
+  actives start an averaging, with a random passive, whose service thread averages and
+  replies, so two workers never wait for each other in a cycle.
+
+Models are averaged as one flat float vector (``parameters_to_vector``); optimizer state
+such as momentum stays local, as in both papers.
+"""
+import random
+import threading
+import time
+
+import numpy as np
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from .. import collectives, config, runtime
+from ..partial import partial_allreduce_, poll
+
+
+class AllReduce:
+    """Synchronous data parallel: average gradients, then step."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self, optimizer) -> None:
+        collectives.grouped_allreduce_([p.grad for p in self.params], name="gradients")
+        optimizer.step()
+
+    def close(self) -> None:
+        pass
+
+
+class Ripples:
+    """Local step, then average the model within this step's group (``policy``)."""
+
+    def __init__(self, model: torch.nn.Module, policy):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.policy = policy
+        self.groups_joined = 0
+
+    def _average(self, group) -> None:
+        if len(group) > 1:
+            with torch.no_grad():
+                flat = parameters_to_vector(self.params)
+                partial_allreduce_(flat, group, name="ripples model average")
+                vector_to_parameters(flat, self.params)
+            self.groups_joined += 1
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+        self._average(self.policy.next_group())
+
+    def close(self) -> None:
+        for group in self.policy.leave():       # groups others count on this worker for
+            self._average(group)
+        self.policy.close()
+
+
+_AVERAGE, _REPLY, _BYE = 1, 2, 3
+
+
+class ADPSGD:
+    """Pairwise gossip: actives (even ranks) average with a random passive (odd rank).
+
+    Collective to construct and to close (it duplicates pycoll's world communicator).
+    """
+
+    def __init__(self, model: torch.nn.Module, seed: int = 0):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.comm = runtime.world().comm.Dup()
+        self.rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        self.actives, self.passives = list(range(0, size, 2)), list(range(1, size, 2))
+        self.rng = random.Random(f"{seed}:{self.rank}")
+        self.lock = threading.Lock()             # an averaging is atomic w.r.t. updates
+        self.averages = 0
+        self.server = None
+        if self.rank in self.passives:
+            self.server = threading.Thread(target=self._serve, name="pycoll-adpsgd", daemon=True)
+            self.server.start()
+
+    def _flat(self) -> np.ndarray:
+        return parameters_to_vector(self.params).detach().numpy().astype(np.float32)
+
+    def _wait(self, request, peer: int):
+        timeout = config.get("timeout")
+        poll(lambda: True if request.Test() else None, time.monotonic() + timeout,
+             lambda: f"pycoll: AD-PSGD rank {self.rank} waited more than PYCOLL_TIMEOUT "
+                     f"({timeout:g} s) for rank {peer}")
+
+    def step(self, optimizer) -> None:
+        with self.lock:
+            optimizer.step()
+        if self.rank not in self.actives or not self.passives:
+            return
+        peer = self.rng.choice(self.passives)
+        mine = self._flat()
+        theirs = np.empty_like(mine)
+        recv = self.comm.Irecv(theirs, source=peer, tag=_REPLY)
+        self.comm.Send(mine, dest=peer, tag=_AVERAGE)
+        self._wait(recv, peer)
+        with torch.no_grad():
+            vector_to_parameters(torch.from_numpy(theirs), self.params)    # the average
+        self.averages += 1
+
+    def _serve(self) -> None:
+        from mpi4py import MPI
+        byes, theirs, status = 0, None, MPI.Status()
+        while byes < len(self.actives):
+            poll(lambda: True if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status) else None,
+                 float("inf"), lambda: "")
+            peer, tag = status.Get_source(), status.Get_tag()
+            if tag == _BYE:
+                self.comm.Recv(bytearray(0), source=peer, tag=_BYE)
+                byes += 1
+                continue
+            if theirs is None:
+                theirs = np.empty_like(self._flat())
+            self.comm.Recv(theirs, source=peer, tag=_AVERAGE)
+            with self.lock, torch.no_grad():
+                average = (self._flat() + theirs) * np.float32(0.5)
+                vector_to_parameters(torch.from_numpy(average), self.params)
+            self.comm.Send(average, dest=peer, tag=_REPLY)
+            self.averages += 1
+
+    def close(self) -> None:
+        if self.rank in self.actives:
+            for peer in self.passives:
+                self.comm.Send(bytearray(0), dest=peer, tag=_BYE)
+        if self.server is not None:
+            self.server.join()           # a passive serves until every active has left
+        self.comm.Free()

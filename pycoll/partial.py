@@ -1,0 +1,244 @@
+"""Partial All-Reduce: reduce among any subset of ranks, with no communicator per call.
+
+    y = pycoll.partial_allreduce(x, ranks=[1, 4, 5])     # called on ranks 1, 4 and 5 only
+
+Ripples' primitive (Luo et al., 2019). Only the members call it and all of them pass the
+same ranks (in any order). Two paths:
+
+- Point-to-point, the default: a ring reduce-scatter then a ring allgather over
+  Isend/Irecv on pycoll's own duplicate of the world communicator. Each block is cut
+  into chunks of ``CHUNK_BYTES``: reducing one chunk (``pycoll._C.reduce``, GIL released)
+  overlaps receiving the next, and a chunk goes on to the next rank as soon as it is
+  reduced. Every member gets the same bits (each block is reduced once, then copied).
+  Messages carry the group's tag, the bitmask of its ranks where that fits MPI's tag
+  range (a hash beyond), so groups that share ranks never take each other's messages.
+- A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
+  creates a communicator for it (``MPI_Comm_create_group``, collective over the members
+  only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
+  alike (each use involves them all), so the members switch paths together.
+
+Partial all-reduces run on the engine in issue order, like every collective. Groups that
+share ranks must be issued in the same relative order on their common members (a group
+generator that hands out groups in one global order guarantees it); otherwise they wait
+for each other and raise ``CollectiveTimeout`` after PYCOLL_TIMEOUT, naming the peer.
+"""
+import time
+import zlib
+from collections import Counter
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _C, config, runtime, tensors
+from .collectives import Average, _check_reduction, _host, _mpi_op, _msg, _reduce_op
+from .work import CollectiveTimeout, Work
+
+# Large enough that per-message overhead is small, small enough that reduction and
+# transfer of consecutive chunks overlap for the model sizes Ripples averages.
+CHUNK_BYTES = 1 << 18
+
+
+class _Cache:
+    """Per-world state: uses of each group and the communicators made for repeat groups."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.uses: Counter = Counter()
+        self.comms: dict = {}
+
+
+_cache: Optional[_Cache] = None
+
+
+def _state() -> _Cache:
+    global _cache
+    runtime.world()                               # raises if pycoll is not initialized
+    comm = runtime._state.p2p_comm
+    if _cache is None or _cache.comm is not comm:     # first use, or after shutdown/init
+        _cache = _Cache(comm)
+    return _cache
+
+
+def _members(ranks: Sequence[int], me: int, size: int) -> Tuple[int, ...]:
+    try:
+        members = tuple(sorted(int(r) for r in ranks))
+    except (TypeError, ValueError):
+        raise TypeError(f"ranks must be a sequence of world ranks, got {ranks!r}") from None
+    if not members or len(set(members)) != len(members) or not 0 <= members[0] <= members[-1] < size:
+        raise ValueError(f"partial_allreduce needs distinct ranks in [0, {size}), got {list(ranks)}")
+    if me not in members:
+        raise ValueError(f"rank {me} is not in ranks {list(members)}; only the members of a "
+                         "group call partial_allreduce")
+    return members
+
+
+def group_tag(members: Tuple[int, ...], tag_ub: int) -> int:
+    """The group's message tag: its rank bitmask when that fits, else a hash."""
+    mask = sum(1 << r for r in members)
+    return mask if mask <= tag_ub else zlib.crc32(repr(members).encode()) % (tag_ub + 1)
+
+
+def poll(test, deadline: float, what):
+    """Call ``test`` until it returns something other than None, sleeping between tries
+    (ranks may outnumber cores: a spinning waiter would starve the ranks it waits for)."""
+    delay = 0.0
+    while True:
+        result = test()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(what())
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-5), 1e-3)
+
+
+class _Ring:
+    """One ring reduce-scatter + allgather over the members on buffer ``ptr`` in place."""
+
+    def __init__(self, comm, members, me, ptr, count, dtype, op, deadline, name):
+        k, p = len(members), members.index(me)
+        self.comm, self.members, self.k, self.p = comm, members, k, p
+        self.left, self.right = members[(p - 1) % k], members[(p + 1) % k]
+        self.tag = group_tag(members, comm.Get_attr(MPI.TAG_UB))
+        self.ptr, self.dtype, self.op, self.deadline, self.name = ptr, dtype, op, deadline, name
+        self.item = tensors.ITEMSIZE[dtype]
+        self.bounds = [count * i // k for i in range(k + 1)]
+        step = max(1, CHUNK_BYTES // self.item)
+        self.chunks = [[(s, min(s + step, self.bounds[b + 1]))
+                        for s in range(self.bounds[b], self.bounds[b + 1], step)]
+                       for b in range(k)]
+        self.sending: dict = {}          # (block, chunk) -> send requests still reading it
+
+    def _send(self, block: int, c: int) -> None:
+        lo, hi = self.chunks[block][c]
+        req = self.comm.Isend(_msg(self.ptr + lo * self.item, (hi - lo) * self.item),
+                              dest=self.right, tag=self.tag)
+        self.sending.setdefault((block, c), []).append(req)
+
+    def run(self) -> None:
+        k, p = self.k, self.p
+        # Steps 0..k-2 reduce-scatter (receive block p-s-1 and reduce it in), then k-1
+        # allgather steps (receive block p-t into place). What a step receives is what the
+        # next step sends, so each chunk is forwarded the moment it is ready.
+        steps = [((p - s - 1) % k, True) for s in range(k - 1)]
+        steps += [((p - t) % k, False) for t in range(k - 1)]
+        largest = max(hi - lo for hi, lo in zip(self.bounds[1:], self.bounds))
+        scratch = np.empty(largest * self.item, np.uint8)      # one block: a step's chunks
+        for c in range(len(self.chunks[p])):
+            self._send(p, c)
+        for s, (block, reduce) in enumerate(steps):
+            recvs = []
+            for c, (lo, hi) in enumerate(self.chunks[block]):
+                if reduce:
+                    dst = scratch.ctypes.data + (lo - self.chunks[block][0][0]) * self.item
+                else:
+                    # Receiving in place: a send still reading this chunk must finish first.
+                    for req in self.sending.pop((block, c), []):
+                        poll(lambda: True if req.Test() else None, self.deadline,
+                              lambda: self._late(self.right))
+                    dst = self.ptr + lo * self.item
+                recvs.append(self.comm.Irecv(_msg(dst, (hi - lo) * self.item),
+                                             source=self.left, tag=self.tag))
+            for _ in recvs:
+                c = self._wait_any(recvs)
+                lo, hi = self.chunks[block][c]
+                if reduce:
+                    src = scratch.ctypes.data + (lo - self.chunks[block][0][0]) * self.item
+                    _C.reduce(self.ptr + lo * self.item, src, hi - lo, self.dtype,
+                              "sum" if self.op is Average else self.op.value)
+                    if s == k - 2 and self.op is Average:     # this block is complete here
+                        _C.scale(self.ptr + lo * self.item, hi - lo, self.dtype, 1.0 / k)
+                if s + 1 < len(steps):
+                    self._send(block, c)
+        for reqs in self.sending.values():
+            for req in reqs:
+                poll(lambda: True if req.Test() else None, self.deadline,
+                      lambda: self._late(self.right))
+
+    def _wait_any(self, recvs) -> int:
+        def test():
+            index, done = MPI.Request.Testany(recvs)
+            return index if done and index != MPI.UNDEFINED else None
+        try:
+            return poll(test, self.deadline, lambda: self._late(self.left))
+        except CollectiveTimeout:
+            for req in recvs:            # no late message may land in freed scratch memory
+                if req != MPI.REQUEST_NULL:
+                    req.Cancel()
+                    req.Wait()
+            raise
+
+    def _late(self, peer: int) -> str:
+        return (f"pycoll: {self.name} among ranks {list(self.members)} did not complete within "
+                f"PYCOLL_TIMEOUT ({config.get('timeout'):g} s): rank {self.members[self.p]} "
+                f"waited for rank {peer}; a member may have skipped it, issued its groups in "
+                "another order, or died")
+
+
+def _cached_comm(state: _Cache, members, me, deadline, name):
+    """The group's own communicator, made at its PYCOLL_PARTIAL_CACHE_AFTER-th use."""
+    comm = state.comms.get(members)
+    if comm is None:
+        # A ring token first: MPI_Comm_create_group has no timeout, our wait does.
+        token = np.zeros(len(members), np.uint8)
+        _Ring(state.comm, members, me, token.ctypes.data, token.size, "uint8",
+              _reduce_op("max"), deadline, name).run()
+        group = state.comm.Get_group().Incl(list(members))
+        try:
+            comm = state.comm.Create_group(group, group_tag(members, state.comm.Get_attr(MPI.TAG_UB)))
+        finally:
+            group.Free()
+        state.comms[members] = comm
+    return comm
+
+
+def _plan(x, ranks, op, name, inplace):
+    op, name = _reduce_op(op), name or "partial_allreduce"
+    state = _state()
+    me, size = runtime.rank(), runtime.size()
+    members = _members(ranks, me, size)
+    src = tensors.as_buffer(x, writable=inplace)
+    _check_reduction(op, src)
+    out = x if inplace else tensors.clone(x)
+    dst = src if inplace else tensors.as_buffer(out, writable=True)
+
+    def run():
+        if len(members) == 1:
+            return out                   # a group of one: the reduction is x itself
+        deadline = time.monotonic() + config.get("timeout")
+        state.uses[members] += 1
+        after = config.get("partial_cache_after")
+        with _host(dst, read=True, write=True) as d:
+            if after and state.uses[members] >= after:
+                comm = _cached_comm(state, members, me, deadline, name)
+                comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, dst.dtype))
+                if op is Average:
+                    _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
+            else:
+                _Ring(state.comm, members, me, d, dst.count, dst.dtype, op, deadline, name).run()
+        return out
+    return f"{name}({list(members)})", run
+
+
+def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):
+    """Reduce ``x`` over the world ranks ``ranks`` (called by those ranks only); a new tensor."""
+    name, run = _plan(x, ranks, op, name, inplace=False)
+    return runtime.engine().run(run, name)
+
+
+def partial_allreduce_(x, ranks, op=Average, name: Optional[str] = None):
+    """``partial_allreduce`` into ``x`` itself; returns ``x``."""
+    name, run = _plan(x, ranks, op, name, inplace=True)
+    return runtime.engine().run(run, name)
+
+
+def partial_allreduce_async(x, ranks, op=Average, name: Optional[str] = None) -> Work:
+    """Start a ``partial_allreduce``; ``Work.wait()`` returns the new tensor."""
+    name, run = _plan(x, ranks, op, name, inplace=False)
+    return runtime.engine().submit(run, name)
+
+
+def partial_allreduce_async_(x, ranks, op=Average, name: Optional[str] = None) -> Work:
+    name, run = _plan(x, ranks, op, name, inplace=True)
+    return runtime.engine().submit(run, name)

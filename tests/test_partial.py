@@ -1,0 +1,103 @@
+"""partial_allreduce against numpy for every subset of ranks, at any number of ranks.
+
+Every rank walks the same list of subsets in the same order and joins those it is in, so
+groups that share ranks are issued in one order everywhere (what a group generator
+guarantees). Inputs come from (dtype, shape, rank) as in test_collectives.py.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+import pycoll
+from pycoll import config, partial
+from test_collectives import DTYPES, OPS, assert_matches, np_dtype, rank_input
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+
+def subsets(size):
+    return [s for k in range(1, size + 1) for s in itertools.combinations(range(size), k)]
+
+
+def expected(dtype, shape, ranks, op):
+    xs = np.stack([rank_input(dtype, shape, r, op) for r in ranks])
+    return {"Sum": xs.sum(0), "Average": xs.mean(0), "Min": xs.min(0), "Max": xs.max(0),
+            "Product": xs.prod(0)}[op]
+
+
+@pytest.fixture(params=["p2p", "cached"])
+def path(request, monkeypatch, pycoll_world):
+    """p2p: the ring on every call; cached: a communicator per group from its first use."""
+    monkeypatch.setitem(config._overrides, "partial_cache_after", 0 if request.param == "p2p" else 1)
+    return request.param
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(partial, "CHUNK_BYTES", 8)      # many chunks per block
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_subset_every_dtype_and_op(pycoll_world, path, small_chunks, dtype, op):
+    rank = pycoll.rank()
+    for shape in [(0,), (1,), (5, 7)]:
+        x = rank_input(dtype, shape, rank, op).astype(np_dtype(dtype))
+        for ranks in subsets(pycoll.size()):
+            if rank not in ranks:
+                continue
+            if op == "Average" and dtype.startswith(("int", "uint")):
+                with pytest.raises(TypeError, match="Average"):
+                    pycoll.partial_allreduce(x, ranks, op=getattr(pycoll, op))
+                continue
+            before = x.copy()
+            y = pycoll.partial_allreduce(x, ranks, op=getattr(pycoll, op))
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert_matches(y, expected(dtype, shape, ranks, op), dtype)
+            np.testing.assert_array_equal(x, before)          # out of place leaves x alone
+
+
+def test_large_tensor_in_place_async_and_torch(pycoll_world, path):
+    rank, size = pycoll.rank(), pycoll.size()
+    ranks = list(range(size))[::-1]                  # any order names the same group
+    x = torch.arange(300_001, dtype=torch.float32) * (rank + 1)     # 5 chunks a block at 1 rank
+    assert pycoll.partial_allreduce_(x, ranks, op=pycoll.Sum) is x
+    torch.testing.assert_close(x, torch.arange(300_001, dtype=torch.float32) * (size * (size + 1) / 2))
+    work = pycoll.partial_allreduce_async(torch.full((3,), float(rank)), ranks)
+    torch.testing.assert_close(work.wait(timeout=60), torch.full((3,), (size - 1) / 2))
+
+
+def test_disjoint_groups_run_at_the_same_time(pycoll_world, path):
+    """Pairs (0,1), (2,3), ... each reduce at once, repeatedly, while other pairs do too."""
+    rank, size = pycoll.rank(), pycoll.size()
+    pair = [r for r in (rank - rank % 2, rank - rank % 2 + 1) if r < size]
+    works = [pycoll.partial_allreduce_async(np.full(1000, rank * 10 + i, np.float64), pair,
+                                            op=pycoll.Sum) for i in range(20)]
+    for i, work in enumerate(works):
+        np.testing.assert_array_equal(work.wait(timeout=60), sum(r * 10 + i for r in pair))
+
+
+def test_bad_input_says_what_to_do(pycoll_world):
+    rank, size = pycoll.rank(), pycoll.size()
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        pycoll.partial_allreduce(x, [rank, rank])
+    with pytest.raises(ValueError, match="distinct ranks"):
+        pycoll.partial_allreduce(x, [rank, size])
+    if size > 1:
+        with pytest.raises(ValueError, match="not in ranks"):
+            pycoll.partial_allreduce(x, [r for r in range(size) if r != rank])
+    with pytest.raises(TypeError, match="sequence of world ranks"):
+        pycoll.partial_allreduce(x, "abc")
+    with pytest.raises(ValueError, match="unknown reduction"):
+        pycoll.partial_allreduce(x, [rank], op="mean")
+
+
+def test_group_tags_are_distinct_bitmasks():
+    groups = subsets(6)
+    assert len({partial.group_tag(g, 2**31 - 1) for g in groups}) == len(groups)
+    big = [(0, 19), (3, 15, 16), tuple(range(20))]          # bitmasks past a 15-bit tag range
+    assert all(0 <= partial.group_tag(g, 32767) <= 32767 for g in big)

@@ -38,6 +38,8 @@ _half_ops: dict = {}
 
 
 def _reduce_op(op) -> ReduceOp:
+    if op.__class__ is ReduceOp:
+        return op
     try:
         return ReduceOp(op)
     except ValueError:
@@ -159,14 +161,17 @@ def _allreduce_fused(items: List[_Allreduce]) -> None:
                     shapes=[(it.name, it.src.shape) for it in items])
     sizes = [it.src.nbytes for it in items]
     fusion = runtime.engine().fusion_buffer(sum(sizes))
+    on_host = first.src.device == "cpu"      # a batch shares one device (its key)
     with ExitStack() as stack:
-        _C.pack(fusion.ctypes.data, [stack.enter_context(_host(it.src)) for it in items], sizes)
+        _C.pack(fusion.ctypes.data, [it.src.ptr if on_host else stack.enter_context(
+            _host(it.src)) for it in items], sizes)
     first.grp.comm.Allreduce(MPI.IN_PLACE, _msg(fusion.ctypes.data, fusion.nbytes,
                                                 first.src.dtype),
                              _mpi_op(first.op, first.src.dtype))
     scale = 1.0 / first.grp.size() if first.op is Average else 1.0
     with ExitStack() as stack:
-        outs = [stack.enter_context(_host(it.dst, read=False, write=True)) for it in items]
+        outs = [it.dst.ptr if on_host else stack.enter_context(
+            _host(it.dst, read=False, write=True)) for it in items]
         _C.unpack(fusion.ctypes.data, outs, sizes, first.src.dtype, scale)
 
 

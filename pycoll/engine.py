@@ -25,6 +25,7 @@ class _Batch:
 
     def __init__(self, run: Callable, key: Hashable = None):
         self.run, self.key = run, key
+        self.done = threading.Event()           # one for all its Works: cheaper than one each
         self.items: List[Any] = []
         self.works: List[Work] = []
         self.nbytes = 0
@@ -57,7 +58,7 @@ class Engine:
     def submit(self, thunk: Callable[[], Any], name: str) -> Work:
         """Queue ``thunk``; its Work returns what it returns."""
         batch = _Batch(lambda items: [thunk()])
-        work = self._work(name)
+        work = Work(name, self.flush, batch.done)
         batch.works.append(work)
         with self._cv:
             self._close_open()
@@ -68,13 +69,13 @@ class Engine:
                        run: Callable[[list], list], name: str) -> Work:
         """Queue ``item``; items with equal ``key`` may run as one ``run(items)``,
         which returns one result per item."""
-        work = self._work(name)
         threshold = config.get("fusion_threshold")
         with self._cv:
             batch = self._open
             if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
                 self._close_open()
                 batch = self._open = _Batch(run, key)
+            work = Work(name, self.flush, batch.done)
             batch.items.append(item)
             batch.works.append(work)
             batch.nbytes += nbytes
@@ -111,9 +112,6 @@ class Engine:
         return self._fusion[:nbytes]
 
     # ------------------------------------------------------------ internals
-    def _work(self, name: str) -> Work:
-        return Work(name, on_wait=self.flush)
-
     def _close_open(self) -> None:
         if self._open is not None:
             batch, self._open = self._open, None
@@ -166,11 +164,12 @@ class Engine:
             try:
                 results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
                 for work, result in zip(batch.works, results):
-                    work._finish(result)
+                    work._finish(result, signal=False)
             except BaseException as error:      # delivered to whoever waits on the Works
                 for work in batch.works:
-                    work._finish(error=error)
+                    work._finish(error=error, signal=False)
             finally:
+                batch.done.set()
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()

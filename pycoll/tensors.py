@@ -96,12 +96,14 @@ def _from_torch(t) -> Buffer:
         _TORCH_DTYPES[t.dtype] = name
     if not t.is_contiguous():
         raise _not_contiguous(t)
+    if t.is_cpu:
+        return Buffer(t.data_ptr(), t.nbytes, name, tuple(t.shape), "cpu", 0, False, t)
     device = t.device
-    if device.type not in ("cpu", "cuda"):
+    if device.type != "cuda":
         raise TypeError(f"pycoll supports CPU and CUDA tensors; this one is on {device}. "
                         "Move it with .cpu() or .cuda().")
-    return Buffer(t.data_ptr(), t.numel() * t.element_size(), name, tuple(t.shape),
-                  device.type, device.index or 0, False, t)
+    return Buffer(t.data_ptr(), t.nbytes, name, tuple(t.shape), "cuda", device.index or 0,
+                  False, t)
 
 
 _TORCH_DTYPES: dict = {}

@@ -17,16 +17,19 @@ class Work:
     flush: an operation whose result is asked for must be on its way).
     """
 
-    def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None):
+    def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None,
+                 done: Optional[threading.Event] = None):
         self.name = name
         self._on_wait = on_wait or (lambda: None)
-        self._done = threading.Event()
+        self._done = done or threading.Event()     # shared by Works that finish together
         self._result: Any = None
         self._error: Optional[BaseException] = None
 
-    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None,
+                signal: bool = True) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        if signal:
+            self._done.set()
 
     def is_completed(self) -> bool:
         self._on_wait()

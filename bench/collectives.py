@@ -3,7 +3,8 @@
 
     mpiexec -n 4 --oversubscribe python bench/collectives.py [--ops allreduce,alltoall]
         [--min-bytes 4] [--max-bytes 64M] [--step-factor 4] [--dtype float32]
-        [--iters 20] [--warmup 5] [--batches 5] [--check] [--json PATH] [--no-gloo]
+        [--iters 20] [--warmup 5] [--batches 5] [--check] [--json PATH] [--plot PNG]
+        [--no-gloo]
 
 Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
 out its buffers, how each implementation calls it and what it must produce. The three
@@ -24,33 +25,29 @@ reduce_scatter, alltoall) or 1 (broadcast). Time per op: mean over a batch of --
 max over ranks; the table quotes the median of --batches batches, the implementations
 interleaved batch by batch (in rotating order) so that machine noise hits them alike.
 --check then verifies every implementation against numpy on every rank (--iters 0: only).
+The header gives the host's memcpy bandwidth, measured in the same run, as the physical
+reference; after the allreduce table come the ratios issue 3 sets targets for; --plot
+draws busbw against size, one panel per collective. Timing helpers: bench/harness.py.
 """
 import argparse
-import json
+import math
 import os
-import platform
-import socket
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-try:
-    import pycoll
-except ImportError:                              # a checkout without pip install -e
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import pycoll
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (MiB, comm, human_bytes, interleave, machine, machine_line,  # noqa: E402
+                     median, memcpy_gbps, memcpy_line, parse_bytes, pycoll, setup_gloo,
+                     teardown_gloo, write_json)
 
-comm = MPI.COMM_WORLD
 IMPLS = ("pycoll", "mpi4py", "gloo")
 DTYPES = ("float32", "float64", "int32", "int64")
-MiB = 1 << 20
-torch = dist = None                              # set by setup_gloo()
+torch = dist = None                              # set in main() by setup_gloo()
 
 
 class Bufs:
@@ -137,15 +134,6 @@ def run(coll: Coll, impl: str, bufs: Bufs):
     return bufs.recv if out is None else out
 
 
-def time_batch(coll, impl, bufs, iters) -> float:
-    """Seconds per op: the batch mean on the slowest rank."""
-    comm.Barrier()                   # every rank starts the batch together
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run(coll, impl, bufs)
-    return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
-
-
 def check(coll, impl, bufs, count, n, dtype) -> bool:
     """Run once on rank-tagged data; True on every rank iff every rank got numpy's answer."""
     bufs.send[:] = pattern(comm.rank, len(bufs.send), dtype)
@@ -170,37 +158,9 @@ def iters_for(nbytes: int, iters: int) -> int:
     return min(iters, max(4, iters * 4 * MiB // nbytes))
 
 
-def setup_gloo(args) -> str:
-    """Import torch (pycoll uses its tensors) and start gloo; a note on what is skipped."""
-    global torch, dist
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as e:
-        return f"torch unavailable ({e}): pycoll runs on numpy arrays; gloo skipped"
-    torch.set_num_threads(1)         # ranks already oversubscribe the cores
-    if args.no_gloo:
-        return "gloo skipped (--no-gloo)"
-    if not dist.is_available() or not dist.is_gloo_available():
-        return "gloo skipped: torch.distributed was built without gloo"
-    hosts = comm.allgather(socket.gethostname())
-    port = None
-    if comm.rank == 0:               # a port free now on rank 0, shared with all ranks
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_PORT"] = str(comm.bcast(port))
-    os.environ["MASTER_ADDR"] = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    return ""
-
-
-def header(args, note: str) -> str:
-    mpi = MPI.Get_library_version().splitlines()[0].split(",")[0].strip()
-    tv = f"torch {torch.__version__}" if torch is not None else "no torch"
-    return (f"# pycoll {pycoll.__version__} collectives: host {platform.node()} "
-            f"({os.cpu_count()} cpus), {mpi}, mpi4py {mpi4py.__version__}, {comm.size} ranks, "
-            f"{tv}, dtype {args.dtype}, op sum" + (f"\n# note: {note}" if note else ""))
+def header(args, note: str, mach: dict, memcpy: float) -> str:
+    return (machine_line("collectives", mach) + f", dtype {args.dtype}, op sum\n"
+            + memcpy_line(memcpy) + (f"\n# note: {note}" if note else ""))
 
 
 def fmt(x, width, prec):
@@ -228,14 +188,11 @@ def bench_op(op, args, impls, n, dtype, rows) -> bool:
         times = {i: [] for i in impls}
         iters = iters_for(nbytes, args.iters)
         if iters:
-            for impl in impls:       # warm up: connections, caches, first-touch pages
-                time_batch(coll, impl, bufs, max(1, min(args.warmup, iters)))
-            for b in range(args.batches):
-                for impl in impls[b % len(impls):] + impls[:b % len(impls)]:
-                    times[impl].append(time_batch(coll, impl, bufs, iters))
+            times = interleave({i: (lambda i=i: run(coll, i, bufs)) for i in impls}, iters,
+                               max(1, min(args.warmup, iters)), args.batches)
         oks = {i: check(coll, i, bufs, count, n, dtype) for i in impls} if args.check else {}
         all_ok &= all(oks.values())
-        t = {i: statistics.median(times[i]) if times[i] else None for i in impls}
+        t = {i: median(times[i]) for i in impls}
         cells = ""
         for impl in impls:
             alg = nbytes / t[impl] / 1e9 if t[impl] else None
@@ -259,10 +216,66 @@ def bench_op(op, args, impls, n, dtype, rows) -> bool:
     return all_ok
 
 
-def parse_bytes(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper().rstrip("B")
-    return int(float(s[:-1]) * units[s[-1]]) if s[-1:] in units else int(s)
+def targets(rows) -> dict:
+    """Issue 3's allreduce targets from this run's medians (None where a size was not run):
+    64 MiB pycoll/mpi4py time (<= 1.05), the worst pycoll - mpi4py latency over 4 B..1 KiB
+    in us (<= 10), gloo/pycoll time at 1 MiB (>= 5) and at 64 MiB (>= 2)."""
+    t = {(r["bytes"], r["impl"]): r["time_us"] for r in rows if r["op"] == "allreduce"}
+
+    def ratio(size, a, b):
+        return t[size, a] / t[size, b] if t.get((size, a)) and t.get((size, b)) else None
+    small = [t[s, "pycoll"] - t[s, "mpi4py"] for s in sorted({s for s, _ in t})
+             if 4 <= s <= 1024 and t.get((s, "pycoll")) and t.get((s, "mpi4py"))]
+    return {"allreduce_64MiB_pycoll_over_mpi4py": ratio(64 * MiB, "pycoll", "mpi4py"),
+            "allreduce_4B_1KiB_max_pycoll_minus_mpi4py_us": max(small) if small else None,
+            "allreduce_1MiB_gloo_over_pycoll": ratio(MiB, "gloo", "pycoll"),
+            "allreduce_64MiB_gloo_over_pycoll": ratio(64 * MiB, "gloo", "pycoll")}
+
+
+def targets_line(tg: dict) -> str:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+    return ("# targets (allreduce medians, this run): "
+            f"64 MiB pycoll/mpi4py {f(tg['allreduce_64MiB_pycoll_over_mpi4py'], '.3f')} (<= 1.05); "
+            f"4 B-1 KiB pycoll - mpi4py max "
+            f"{f(tg['allreduce_4B_1KiB_max_pycoll_minus_mpi4py_us'], '+.1f')} us (<= +10); "
+            f"gloo/pycoll 1 MiB {f(tg['allreduce_1MiB_gloo_over_pycoll'], '.2f')} (>= 5), "
+            f"64 MiB {f(tg['allreduce_64MiB_gloo_over_pycoll'], '.2f')} (>= 2)")
+
+
+def plot(path: str, rows, ops, impls, mach: dict, memcpy: float, dtype: str) -> None:
+    """A PNG of busbw against size (log x), one panel per collective, memcpy as reference."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+    cols = min(3, len(ops))
+    nrows = math.ceil(len(ops) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.9 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops):
+        for impl in impls:
+            pts = sorted((r["bytes"], r["busbw"]) for r in rows
+                         if r["op"] == op and r["impl"] == impl and r["busbw"] is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=impl)
+        ax.axhline(memcpy, color="gray", linestyle="--", linewidth=1,
+                   label=f"memcpy {memcpy:.1f} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x).replace(" ", "")))
+        ax.set_title(op)
+        ax.set_xlabel("size per rank")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    fig.suptitle(f"pycoll {mach['pycoll']} vs mpi4py vs gloo, {dtype}: {mach['host']} "
+                 f"({mach['cpus']} cores), {mach['ranks']} ranks, {mach['mpi']}")
+    fig.tight_layout()
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
@@ -277,6 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=5, help="median of this many batches")
     p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
     p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
+    p.add_argument("--plot", metavar="PNG", help="write a plot of busbw against size")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
     args = p.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -285,29 +299,33 @@ def main(argv=None) -> int:
         p.error(f"unknown ops {sorted(unknown)}" if unknown else
                 "need --step-factor > 1, --batches >= 1, --min-bytes >= 1")
 
-    note = setup_gloo(args)
+    global torch, dist
+    torch, dist, note = setup_gloo(args.no_gloo)
     impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:2]
     pycoll.init()
     n, rows, ok = comm.size, [], True
     t0 = time.perf_counter()
+    mach, memcpy = machine(torch), memcpy_gbps()
     if comm.rank == 0:
-        print(header(args, note), flush=True)
+        print(header(args, note, mach, memcpy), flush=True)
     for op in ops:
         ok &= bench_op(op, args, impls, n, np.dtype(args.dtype), rows)
     elapsed = time.perf_counter() - t0
+    tg = targets(rows) if "allreduce" in ops and args.iters else None
     if comm.rank == 0:
+        if tg:
+            print("\n" + targets_line(tg))
         print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
               "; check " + ("OK" if ok else "FAILED")), flush=True)
         if args.json:
-            meta = dict(host=platform.node(), cpus=os.cpu_count(), ranks=n,
-                        mpi=MPI.Get_library_version().strip(),
-                        torch=torch.__version__ if torch is not None else None,
-                        pycoll=pycoll.__version__, impls=list(impls), note=note,
-                        args=vars(args), elapsed_s=elapsed, check_ok=ok if args.check else None)
-            with open(args.json, "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if dist is not None and dist.is_initialized():
-        dist.destroy_process_group()
+            meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,
+                        impls=list(impls), note=note, args=vars(args), elapsed_s=elapsed,
+                        check_ok=ok if args.check else None, targets=tg)
+            write_json(args.json, meta, rows)
+        if args.plot:
+            plot(args.plot, rows, ops, impls, mach, memcpy, args.dtype)
+            print(f"# plot: {args.plot}", flush=True)
+    teardown_gloo(dist)
     return 0 if ok else 1
 
 

@@ -1,4 +1,4 @@
-"""The collectives benchmark runs under mpiexec, checks its results and writes sane JSON."""
+"""The benchmarks run under mpiexec, check their results and write sane JSON and plots."""
 import json
 import os
 import subprocess
@@ -10,32 +10,42 @@ pytestmark = pytest.mark.timeout(300)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "collectives.py")
+FUSION = os.path.join(ROOT, "bench", "fusion.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 OPS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
 
 
-@pytest.fixture(scope="module")
-def small_sweep(tmp_path_factory):
-    """One 2-rank run of every op up to 4 KiB with --check; (stdout, JSON)."""
+def run_bench(script, *args, ranks=2):
+    """``script`` under mpiexec with ``ranks`` ranks; its stdout (asserts exit code 0)."""
     if not os.path.exists(MPIEXEC):
         pytest.skip(f"no mpiexec beside {sys.executable}")
     pytest.importorskip("torch")
-    out = tmp_path_factory.mktemp("bench") / "rows.json"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     # Under an mpiexec'd pytest the child must not inherit this rank's MPI identity.
     env = {k: v for k, v in env.items() if not k.startswith(("OMPI_COMM_", "PMIX_", "PMI_"))}
     proc = subprocess.run(
-        [MPIEXEC, "-n", "2", "--oversubscribe", sys.executable, BENCH, "--max-bytes", "4096",
-         "--iters", "3", "--warmup", "1", "--batches", "2", "--check", "--json", str(out)],
+        [MPIEXEC, "-n", str(ranks), "--oversubscribe", sys.executable, script, *map(str, args)],
         capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def small_sweep(tmp_path_factory):
+    """One 2-rank run of every op up to 4 KiB with --check; (stdout, JSON, PNG path)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out, png = tmp / "rows.json", tmp / "plots" / "busbw.png"     # --plot makes plots/
+    stdout = run_bench(BENCH, "--max-bytes", "4096", "--iters", "3", "--warmup", "1",
+                       "--batches", "2", "--check", "--json", out, "--plot", png)
+    return stdout, json.loads(out.read_text()), png
 
 
 def test_header_and_tables(small_sweep):
-    stdout, _ = small_sweep
+    stdout, _, _ = small_sweep
     lines = stdout.splitlines()
     assert lines[0].startswith("# pycoll") and "2 ranks" in lines[0] and "torch" in lines[0]
+    assert lines[1].startswith("# memcpy: ") and "GB/s" in lines[1]
+    assert "# targets (allreduce medians" in stdout
     for op in OPS:
         assert f"# {op} " in stdout
     assert "size(B)" in stdout and "busbw" in stdout and "pyc/mpi" in stdout
@@ -43,7 +53,7 @@ def test_header_and_tables(small_sweep):
 
 
 def test_json_rows(small_sweep):
-    _, data = small_sweep
+    _, data, _ = small_sweep
     assert data["meta"]["ranks"] == 2 and data["meta"]["check_ok"] is True
     rows = data["rows"]
     for op in OPS:
@@ -60,14 +70,75 @@ def test_json_rows(small_sweep):
                                         ("alltoall", 0.5)])
 def test_busbw(small_sweep, op, factor):
     # 2 ranks: 2(n-1)/n = 1 for allreduce, (n-1)/n = 1/2 for the splitting ops.
-    _, data = small_sweep
+    _, data, _ = small_sweep
     row = next(r for r in data["rows"] if r["op"] == op and r["bytes"] == 4096)
     assert row["busbw"] == pytest.approx(row["algbw"] * factor)
 
 
 def test_sizes_split_across_ranks(small_sweep):
     # 4 B cannot give 2 ranks an element each: skipped for the ops that split the buffer.
-    _, data = small_sweep
+    _, data, _ = small_sweep
     smallest = {op: min(r["bytes"] for r in data["rows"] if r["op"] == op) for op in OPS}
     assert smallest == {"allreduce": 4, "broadcast": 4, "allgather": 16,
                         "reduce_scatter": 16, "alltoall": 16}
+
+
+def test_json_meta(small_sweep):
+    _, data, _ = small_sweep
+    meta = data["meta"]
+    assert meta["memcpy_gbps"] > 0 and meta["cpus"] >= 1 and meta["host"]
+    assert meta["targets"]["allreduce_4B_1KiB_max_pycoll_minus_mpi4py_us"] is not None
+    assert meta["targets"]["allreduce_64MiB_pycoll_over_mpi4py"] is None     # not run
+
+
+def test_plot(small_sweep):
+    _, _, png = small_sweep
+    assert png.exists() and png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- bench/fusion.py
+
+@pytest.fixture(scope="module")
+def fusion_run(tmp_path_factory):
+    """bench/fusion.py at 2 ranks, shrunk (ResNet-50 list x 1/100, 50 x 4 KiB), --check at
+    thresholds that split the lists (4 KiB: every tensor alone) or not; (stdout, JSON)."""
+    out = tmp_path_factory.mktemp("fusion") / "fusion.json"
+    stdout = run_bench(FUSION, "--scale", "0.01", "--small-count", "50", "--iters", "2",
+                       "--batches", "2", "--warmup", "1", "--target-ms", "5",
+                       "--thresholds", "4K,64K,16M", "--check", "--json", out)
+    return stdout, json.loads(out.read_text())
+
+
+def test_fusion_output(fusion_run):
+    stdout, _ = fusion_run
+    assert stdout.startswith("# pycoll") and "# memcpy: " in stdout
+    assert "# fusion threshold in use: " in stdout and "# best threshold: " in stdout
+    assert "pycoll/mpi4py-concat" in stdout and "mpi4py-per-tensor/pycoll" in stdout
+    assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
+
+
+def test_fusion_json(fusion_run):
+    _, data = fusion_run
+    meta, rows = data["meta"], data["rows"]
+    assert meta["ranks"] == 2 and meta["check_ok"] is True and meta["memcpy_gbps"] > 0
+    assert [m["rank"] for m in meta["memory"]] == [0, 1]
+    assert all(m["peak_rss_mib"] > 0 for m in meta["memory"])
+    main = {(r["case"], r["impl"]) for r in rows if r["section"] == "main"}
+    assert main == {(c, i) for c in ("resnet50", "small")
+                    for i in ("pycoll", "mpi4py-concat", "mpi4py-per-tensor",
+                              "gloo-per-tensor", "gloo-concat")}
+    for r in rows:
+        assert r["time_us"] > 0 and r["bytes"] > 0
+    resnet = next(r for r in rows if r["case"] == "resnet50")
+    assert resnet["tensors"] == 161
+    small = next(r for r in rows if r["case"] == "small")
+    assert small["tensors"] == 50 and small["bytes"] == 50 * 4096
+    sweep = [r for r in rows if r["section"] == "sweep"]
+    assert sorted({r["threshold"] for r in sweep}) == [4096, 65536, 16 << 20]
+    # configure(fusion_threshold=...) takes effect: at 4 KiB every 4 KiB tensor goes alone,
+    # at 16 MiB the whole list is one batch.
+    batches = {(r["case"], r["threshold"]): r["mpi_batches"] for r in sweep}
+    assert batches["small", 4096] == 50 and batches["small", 16 << 20] == 1
+    assert batches["resnet50", 4096] > batches["resnet50", 65536] > batches["resnet50", 16 << 20]
+

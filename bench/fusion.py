@@ -1,0 +1,407 @@
+#!/usr/bin/env python
+"""Tensor-fusion benchmark: many tensors allreduced by pycoll's engine, against the floor
+(one raw MPI Allreduce of the same bytes pre-concatenated), one raw call per tensor and
+torch.distributed gloo.
+
+    pycollrun -np 4 python bench/fusion.py [--cases resnet50,small]
+        [--thresholds 1M,4M,16M,64M,128M] [--iters 20] [--target-ms 300] [--warmup 2]
+        [--batches 5] [--small-count 1000] [--small-bytes 4K] [--scale 1] [--check]
+        [--json PATH] [--no-gloo]
+
+Cases (float32, op Sum, each tensor its own allocation, zero-filled so that repeated
+in-place sums stay finite):
+
+  resnet50  ResNet-50's 161 gradient tensors (RESNET50_SHAPES below, torchvision's order,
+            25,557,032 parameters), issued in reverse, the order backward produces them
+  small     --small-count tensors of --small-bytes (1,000 x 4 KiB)
+
+Implementations, per pass over a case's tensors:
+
+  pycoll             allreduce_async_(t, Sum) on every tensor, then wait on every Work: the
+                     engine fuses them (PYCOLL_FUSION_THRESHOLD) and runs them on its thread
+  mpi4py-concat      ONE Allreduce(IN_PLACE) of a buffer holding all the bytes: the floor
+  mpi4py-per-tensor  one Allreduce(IN_PLACE) per tensor
+  gloo-per-tensor    dist.all_reduce(t, async_op=True) on every tensor, then wait on all
+  gloo-concat        dist.all_reduce of the pre-concatenated buffer
+
+Time per pass: mean over a batch on the slowest rank; batches of about --target-ms (at
+most --iters passes), implementations interleaved batch by batch; tables quote the median
+of --batches batches (bench/harness.py). algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+Then a fusion-threshold sweep: pycoll on each case at each --thresholds value (set with
+pycoll.configure between batches, interleaved with the floor), the number of fused
+batches each made, and the best threshold. The header gives the host's memcpy bandwidth
+measured in this run; the end, each rank's peak RSS and what pycoll's first fused pass
+added to it, against the fusion threshold. --check compares pycoll's fused results (Sum
+and Average, at the default and at every swept threshold) with numpy on every rank.
+--scale shrinks the ResNet-50 tensors (for tests; the shape list is checked at full size).
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collectives import pattern  # noqa: E402
+from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine,  # noqa: E402
+                     machine_line, median, memcpy_gbps, memcpy_line, parse_bytes,
+                     peak_rss_mib, pycoll, reset_peak_rss, rss_mib, setup_gloo,
+                     teardown_gloo, write_json)
+
+# ResNet-50 (torchvision.models.resnet50) parameters in model.parameters() order: conv
+# weights (out, in, kh, kw), batch-norm weight and bias (c,), fc weight and bias.
+RESNET50_SHAPES = [
+    # stem: conv1, bn1
+    (64, 3, 7, 7), (64,), (64,),
+    # layer1.0 (+downsample)
+    (64, 64, 1, 1), (64,), (64,), (64, 64, 3, 3), (64,), (64,), (256, 64, 1, 1), (256,),
+    (256,), (256, 64, 1, 1), (256,), (256,),
+    # layer1.1
+    (64, 256, 1, 1), (64,), (64,), (64, 64, 3, 3), (64,), (64,), (256, 64, 1, 1), (256,),
+    (256,),
+    # layer1.2
+    (64, 256, 1, 1), (64,), (64,), (64, 64, 3, 3), (64,), (64,), (256, 64, 1, 1), (256,),
+    (256,),
+    # layer2.0 (+downsample)
+    (128, 256, 1, 1), (128,), (128,), (128, 128, 3, 3), (128,), (128,), (512, 128, 1, 1),
+    (512,), (512,), (512, 256, 1, 1), (512,), (512,),
+    # layer2.1
+    (128, 512, 1, 1), (128,), (128,), (128, 128, 3, 3), (128,), (128,), (512, 128, 1, 1),
+    (512,), (512,),
+    # layer2.2
+    (128, 512, 1, 1), (128,), (128,), (128, 128, 3, 3), (128,), (128,), (512, 128, 1, 1),
+    (512,), (512,),
+    # layer2.3
+    (128, 512, 1, 1), (128,), (128,), (128, 128, 3, 3), (128,), (128,), (512, 128, 1, 1),
+    (512,), (512,),
+    # layer3.0 (+downsample)
+    (256, 512, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,), (1024, 512, 1, 1), (1024,), (1024,),
+    # layer3.1
+    (256, 1024, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,),
+    # layer3.2
+    (256, 1024, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,),
+    # layer3.3
+    (256, 1024, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,),
+    # layer3.4
+    (256, 1024, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,),
+    # layer3.5
+    (256, 1024, 1, 1), (256,), (256,), (256, 256, 3, 3), (256,), (256,), (1024, 256, 1, 1),
+    (1024,), (1024,),
+    # layer4.0 (+downsample)
+    (512, 1024, 1, 1), (512,), (512,), (512, 512, 3, 3), (512,), (512,), (2048, 512, 1, 1),
+    (2048,), (2048,), (2048, 1024, 1, 1), (2048,), (2048,),
+    # layer4.1
+    (512, 2048, 1, 1), (512,), (512,), (512, 512, 3, 3), (512,), (512,), (2048, 512, 1, 1),
+    (2048,), (2048,),
+    # layer4.2
+    (512, 2048, 1, 1), (512,), (512,), (512, 512, 3, 3), (512,), (512,), (2048, 512, 1, 1),
+    (2048,), (2048,),
+    # fc
+    (1000, 2048), (1000,),
+]
+RESNET50_PARAMS = 25_557_032
+assert len(RESNET50_SHAPES) == 161, len(RESNET50_SHAPES)
+assert sum(math.prod(s) for s in RESNET50_SHAPES) == RESNET50_PARAMS
+
+IMPLS = ("pycoll", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor", "gloo-concat")
+torch = dist = None                              # set in main() by setup_gloo()
+
+
+class Case:
+    """One list of tensors: numpy ``arrays`` (each its own allocation) with torch views
+    ``tensors`` in issue order, and a pre-concatenated ``flat`` buffer of the same bytes."""
+
+    def __init__(self, name: str, counts, label: str):
+        self.name, self.label = name, label
+        self.arrays = [np.empty(c, np.float32) for c in counts]
+        self.flat = np.empty(sum(counts), np.float32)
+        for a in self.arrays + [self.flat]:
+            a[...] = 0               # touch every page now, so RSS counts the data
+        view = torch.from_numpy if torch is not None else (lambda a: a)
+        self.tensors = [view(a) for a in self.arrays]
+        self.tflat = view(self.flat)
+        self.nbytes = self.flat.nbytes
+
+    def pycoll(self, op=None):
+        works = [pycoll.allreduce_async_(t, op=op or pycoll.Sum) for t in self.tensors]
+        for w in works:
+            w.wait()
+
+    def fns(self, impls) -> dict:
+        def mpi_concat():
+            comm.Allreduce(MPI.IN_PLACE, self.flat, op=MPI.SUM)
+
+        def mpi_per_tensor():
+            for a in self.arrays:
+                comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+        def gloo_per_tensor():
+            works = [dist.all_reduce(t, async_op=True) for t in self.tensors]
+            for w in works:
+                w.wait()
+
+        def gloo_concat():
+            dist.all_reduce(self.tflat)
+        every = {"pycoll": self.pycoll, "mpi4py-concat": mpi_concat,
+                 "mpi4py-per-tensor": mpi_per_tensor, "gloo-per-tensor": gloo_per_tensor,
+                 "gloo-concat": gloo_concat}
+        return {i: every[i] for i in impls}
+
+
+def make_cases(args) -> list:
+    cases = []
+    for name in args.cases:
+        if name == "resnet50":
+            counts = [max(1, round(math.prod(s) * args.scale)) for s in reversed(RESNET50_SHAPES)]
+            label = (f"ResNet-50 gradients: {len(counts)} tensors, {sum(counts):,} float32"
+                     + (f" (--scale {args.scale:g})" if args.scale != 1 else ""))
+        else:
+            counts = [max(1, args.small_bytes // 4)] * args.small_count
+            label = f"{args.small_count} tensors of {human_bytes(counts[0] * 4)}, float32"
+        cases.append(Case(name, counts, label))
+    return cases
+
+
+def check(case: Case) -> bool:
+    """pycoll's fused Sum and Average against numpy, on every rank; zeros again after."""
+    n, ok = comm.size, True
+    for op in (pycoll.Sum, pycoll.Average):
+        for i, a in enumerate(case.arrays):
+            a[...] = pattern(comm.rank, len(a), np.float32) + i % 7
+        case.pycoll(op)
+        for i, a in enumerate(case.arrays):
+            want = sum(pattern(r, len(a), np.float64) for r in range(n)) + n * (i % 7)
+            if op is pycoll.Average:
+                want = want / n
+            # Sums of small integers are exact; Average's scaling may round (3 ranks).
+            ok &= bool(np.allclose(a, want, rtol=1e-6, atol=0) if op is pycoll.Average
+                       else np.array_equal(a, want))
+        for a in case.arrays:
+            a[...] = 0
+    return bool(comm.allreduce(ok, op=MPI.LAND))
+
+
+def count_batches(fn) -> int:
+    """How many MPI allreduces (fused batches, or tensors sent alone) ``fn`` made, from
+    counting calls to pycoll's internals; None if they are not where this expects."""
+    import pycoll.collectives as C
+    names = ("_allreduce_fused", "_allreduce_one")
+    if not all(callable(getattr(C, n, None)) for n in names):
+        fn()
+        return None
+    calls, saved = [0], {n: getattr(C, n) for n in names}
+
+    def counted(f):
+        def g(*a, **k):
+            calls[0] += 1
+            return f(*a, **k)
+        return g
+    try:
+        for n in names:
+            setattr(C, n, counted(saved[n]))
+        fn()
+    finally:
+        for n in names:
+            setattr(C, n, saved[n])
+    return comm.allreduce(calls[0], op=MPI.MAX) or None
+
+
+def set_threshold(nbytes: int) -> None:
+    pycoll.configure(fusion_threshold=nbytes)
+    got = pycoll.config.get("fusion_threshold")
+    assert got == nbytes, f"configure(fusion_threshold={nbytes}) did not take: {got}"
+
+
+def fmt(x, width, prec):
+    return f"{'-':>{width}}" if x is None else f"{x:{width}.{prec}f}"
+
+
+def ratio(t, a, b):
+    return t[a] / t[b] if t.get(a) and t.get(b) else None
+
+
+def bench_case(case: Case, impls, args, rows) -> dict:
+    n = comm.size
+    fns = case.fns(impls)
+    for fn in fns.values():          # warm up, then size each batch to --target-ms
+        for _ in range(args.warmup):
+            fn()
+    iters = {i: iters_for_time(fns[i], args.target_ms / 1e3, args.iters) for i in impls}
+    times = interleave(fns, iters, 0, args.batches)
+    t = {i: median(times[i]) for i in impls}
+    if comm.rank == 0:
+        print(f"\n# {case.name}: {case.label} ({case.nbytes / MiB:.1f} MiB), "
+              f"fusion threshold {human_bytes(pycoll.config.get('fusion_threshold'))}")
+        print(f"# {'impl':>18} {'time(ms)':>10} {'algbw':>7} {'busbw':>7} {'/pycoll':>8} "
+              f"{'iters':>5}")
+    for i in impls:
+        alg = case.nbytes / t[i] / 1e9
+        rows.append(dict(section="main", case=case.name, impl=i, tensors=len(case.arrays),
+                         bytes=case.nbytes, threshold=pycoll.config.get("fusion_threshold"),
+                         time_us=t[i] * 1e6, algbw=alg, busbw=alg * 2 * (n - 1) / n,
+                         iters=iters[i], batches_us=[x * 1e6 for x in times[i]]))
+        if comm.rank == 0:
+            print(f"  {i:>18} {t[i] * 1e3:10.3f} {alg:7.3f} {alg * 2 * (n - 1) / n:7.3f} "
+                  f"{fmt(ratio(t, i, 'pycoll'), 8, 2)} {iters[i]:>5}")
+    r = {"pycoll/mpi4py-concat": ratio(t, "pycoll", "mpi4py-concat"),
+         "mpi4py-per-tensor/pycoll": ratio(t, "mpi4py-per-tensor", "pycoll"),
+         "gloo-per-tensor/pycoll": ratio(t, "gloo-per-tensor", "pycoll"),
+         "gloo-concat/pycoll": ratio(t, "gloo-concat", "pycoll")}
+    if comm.rank == 0:
+        target = {"resnet50": "pycoll/mpi4py-concat <= 1.15",
+                  "small": "mpi4py-per-tensor/pycoll >= 5"}.get(case.name, "")
+        print("# ratios: " + "; ".join(f"{k} {fmt(v, 0, 2)}" for k, v in r.items())
+              + (f"  (target: {target})" if target else ""), flush=True)
+    return r
+
+
+def sweep(cases, thresholds, args, rows, default: int) -> dict:
+    """pycoll at each threshold, interleaved with the floor; the best threshold."""
+    results = {}
+    for case in cases:
+        names = [f"pycoll@{human_bytes(T)}" for T in thresholds]
+        fns = {name: case.pycoll for name in names}
+        fns["mpi4py-concat"] = case.fns(["mpi4py-concat"])["mpi4py-concat"]
+        setup = {name: (lambda T=T: set_threshold(T)) for name, T in zip(names, thresholds)}
+        batches, iters = {}, {}
+        for name, T in zip(names, thresholds):
+            set_threshold(T)
+            batches[name] = count_batches(case.pycoll)     # also a warm-up pass
+            for _ in range(max(0, args.warmup - 1)):
+                case.pycoll()
+            iters[name] = iters_for_time(case.pycoll, args.target_ms / 1e3, args.iters)
+        case.fns(["mpi4py-concat"])["mpi4py-concat"]()
+        iters["mpi4py-concat"] = iters_for_time(fns["mpi4py-concat"], args.target_ms / 1e3,
+                                                args.iters)
+        times = interleave(fns, iters, 0, args.batches, setup)
+        t = {k: median(v) for k, v in times.items()}
+        best = min(names, key=lambda k: t[k])
+        results[case.name] = {T: t[name] / t[best] for name, T in zip(names, thresholds)}
+        if comm.rank == 0:
+            print(f"\n# sweep {case.name}: {case.label}; floor (mpi4py-concat) "
+                  f"{t['mpi4py-concat'] * 1e3:.3f} ms")
+            print(f"# {'threshold':>10} {'time(ms)':>10} {'/floor':>7} {'/best':>6} "
+                  f"{'batches':>7} {'iters':>5}")
+        for name, T in zip(names, thresholds):
+            rows.append(dict(section="sweep", case=case.name, impl="pycoll", threshold=T,
+                             tensors=len(case.arrays), bytes=case.nbytes, time_us=t[name] * 1e6,
+                             floor_us=t["mpi4py-concat"] * 1e6, mpi_batches=batches[name],
+                             iters=iters[name], batches_us=[x * 1e6 for x in times[name]]))
+            if comm.rank == 0:
+                print(f"  {human_bytes(T):>10} {t[name] * 1e3:10.3f} "
+                      f"{t[name] / t['mpi4py-concat']:7.3f} {t[name] / t[best]:6.3f} "
+                      f"{batches[name] if batches[name] else '-':>7} {iters[name]:>5}"
+                      + ("  <- best" if name == best else ""), flush=True)
+    set_threshold(default)
+    # Overall: the geometric mean over cases of time / that case's best.
+    score = {T: math.exp(sum(math.log(results[c][T]) for c in results) / len(results))
+             for T in thresholds}
+    best = min(thresholds, key=lambda T: score[T])
+    summary = dict(per_case={c: human_bytes(min(results[c], key=results[c].get))
+                             for c in results},
+                   score={human_bytes(T): s for T, s in score.items()}, best=best)
+    if comm.rank == 0:
+        print("\n# best threshold: " + ", ".join(f"{c} {b}" for c, b in summary["per_case"].items())
+              + f"; over both (geometric mean of time/best): {human_bytes(best)} ("
+              + ", ".join(f"{k} {v:.3f}" for k, v in summary["score"].items()) + ")", flush=True)
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="resnet50,small", help="comma-separated: %(default)s")
+    p.add_argument("--thresholds", default="1M,4M,16M,64M,128M",
+                   help="fusion thresholds to sweep, comma-separated; '' for none")
+    p.add_argument("--iters", type=int, default=20, help="most passes in a batch")
+    p.add_argument("--target-ms", type=float, default=300, help="about this long a batch")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batches", type=int, default=5, help="median of this many batches")
+    p.add_argument("--small-count", type=int, default=1000)
+    p.add_argument("--small-bytes", type=parse_bytes, default=4096)
+    p.add_argument("--scale", type=float, default=1.0, help="ResNet-50 tensor sizes x this")
+    p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
+    p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
+    p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
+    args = p.parse_args(argv)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    thresholds = [parse_bytes(x) for x in args.thresholds.split(",") if x.strip()]
+    if (set(args.cases) - {"resnet50", "small"} or not args.cases or args.batches < 1
+            or args.iters < 1 or args.scale <= 0 or min(thresholds, default=1) < 1):
+        p.error("need --cases from resnet50,small, --batches >= 1, --iters >= 1, "
+                "--scale > 0, thresholds >= 1")
+
+    global torch, dist
+    torch, dist, note = setup_gloo(args.no_gloo)
+    impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:3]
+    pycoll.init()
+    t0 = time.perf_counter()
+    default = pycoll.config.get("fusion_threshold")
+    mach, memcpy = machine(torch), memcpy_gbps()
+    if comm.rank == 0:
+        print(machine_line("fusion", mach) + ", float32, op sum\n" + memcpy_line(memcpy)
+              + f"\n# fusion threshold in use: {human_bytes(default)}"
+              + (f"\n# note: {note}" if note else ""), flush=True)
+
+    cases = make_cases(args)
+    # Memory: what pycoll's first fused pass over every case adds to the resident set
+    # (its fusion buffer and anything else), before the other implementations run. The
+    # peak is reset first, so memcpy's transient 2 x 64 MiB (rank 0) does not count.
+    peak_reset = reset_peak_rss()
+    rss_before = rss_mib()
+    for case in cases:
+        case.pycoll()
+    pycoll_extra = peak_rss_mib() - rss_before
+
+    ok = True
+    if args.check:
+        for T in [default] + [T for T in thresholds if T != default]:
+            set_threshold(T)
+            for case in cases:
+                ok &= check(case)
+        set_threshold(default)
+
+    rows, ratios = [], {}
+    for case in cases:
+        ratios[case.name] = bench_case(case, impls, args, rows)
+    peak_main = peak_rss_mib()
+    best = sweep(cases, thresholds, args, rows, default) if thresholds else None
+    peak_end = peak_rss_mib()
+    elapsed = time.perf_counter() - t0
+
+    mem = comm.gather(dict(rank=comm.rank, rss_before_mib=rss_before,
+                           pycoll_extra_mib=pycoll_extra, peak_main_mib=peak_main,
+                           peak_rss_mib=peak_end, peak_reset=peak_reset), root=0)
+    if comm.rank == 0:
+        data = sum(c.nbytes for c in cases) * 2 / MiB     # per-tensor arrays + flat copies
+        print(f"\n# memory per rank (MiB; fusion threshold in use {human_bytes(default)}, "
+              f"swept up to {human_bytes(max(thresholds, default=default))}; benchmark data "
+              f"{data:.0f}): rss before pycoll, + pycoll's first fused pass, peak after the "
+              f"default-threshold runs, peak RSS at the end (ru_maxrss"
+              + (", reset after the memcpy probe and set-up)" if all(m["peak_reset"] for m in mem)
+                 else ", including the memcpy probe's 128 MiB on rank 0)"))
+        for m in mem:
+            print(f"#   rank {m['rank']}: {m['rss_before_mib']:8.1f} "
+                  f"{m['pycoll_extra_mib']:+8.1f} {m['peak_main_mib']:8.1f} "
+                  f"{m['peak_rss_mib']:8.1f}")
+        print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
+              "; check " + ("OK" if ok else "FAILED")), flush=True)
+        if args.json:
+            meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,
+                        impls=list(impls), note=note, args=vars(args), elapsed_s=elapsed,
+                        fusion_threshold=default, thresholds=thresholds, ratios=ratios,
+                        best_threshold=best, memory=mem, check_ok=ok if args.check else None)
+            write_json(args.json, meta, rows)
+    teardown_gloo(dist)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,6 +22,7 @@ share ranks must be issued in the same relative order on their common members (a
 generator that hands out groups in one global order guarantees it); otherwise they wait
 for each other and raise ``CollectiveTimeout`` after PYCOLL_TIMEOUT, naming the peer.
 """
+import hashlib
 import time
 import zlib
 from collections import Counter
@@ -32,6 +33,7 @@ from mpi4py import MPI
 
 from . import _C, config, runtime, tensors
 from .collectives import Average, _check_reduction, _host, _mpi_op, _msg, _reduce_op
+from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, Work
 
 # Large enough that per-message overhead is small, small enough that reduction and
@@ -176,6 +178,20 @@ class _Ring:
                 "another order, or died")
 
 
+def _agree(state: _Cache, members, me, deadline, name, what: str) -> None:
+    """PYCOLL_CHECK for a group with no communicator: a ring max of (h, -h), h a hash of
+    what this member passes, tells every member whether all passed the same."""
+    k = len(members)
+    h = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "little") >> 2
+    token = np.repeat(np.array([h, -h], np.int64), k)
+    _Ring(state.comm, members, me, token.ctypes.data, token.size, "int64",
+          _reduce_op("max"), deadline, name).run()
+    if token[0] != -token[k]:
+        raise CollectiveMismatch(f"pycoll: {name} among ranks {list(members)}: the members "
+                                 f"passed different tensors or ops; rank {me} passed {what}. "
+                                 "Every member must pass the same dtype, size and op.")
+
+
 def _cached_comm(state: _Cache, members, me, deadline, name):
     """The group's own communicator, made at its PYCOLL_PARTIAL_CACHE_AFTER-th use."""
     comm = state.comms.get(members)
@@ -207,6 +223,9 @@ def _plan(x, ranks, op, name, inplace):
         if len(members) == 1:
             return out                   # a group of one: the reduction is x itself
         deadline = time.monotonic() + config.get("timeout")
+        if config.get("check"):
+            _agree(state, members, me, deadline, name,
+                   f"{dst.dtype} x {dst.count} op={op.value}")
         state.uses[members] += 1
         after = config.get("partial_cache_after")
         with _host(dst, read=True, write=True) as d:

@@ -96,6 +96,19 @@ def test_bad_input_says_what_to_do(pycoll_world):
         pycoll.partial_allreduce(x, [rank], op="mean")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_members_raise_on_every_member(pycoll_world, path, monkeypatch):
+    monkeypatch.setitem(config._overrides, "check", True)
+    rank = pycoll.rank()
+    if rank > 1:
+        return                                            # the group is ranks 0 and 1
+    x = np.ones(4 + rank, np.float32)                     # rank 1 passes one more element
+    with pytest.raises(pycoll.CollectiveMismatch, match="passed different tensors or ops"):
+        pycoll.partial_allreduce(x, [0, 1], name="mismatched")
+    np.testing.assert_array_equal(pycoll.partial_allreduce(np.ones(3), [0, 1], op=pycoll.Sum),
+                                  2)                      # the pair is still usable
+
+
 def test_group_tags_are_distinct_bitmasks():
     groups = subsets(6)
     assert len({partial.group_tag(g, 2**31 - 1) for g in groups}) == len(groups)

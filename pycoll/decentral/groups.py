@@ -79,43 +79,48 @@ def _mine(groups: Groups, rank: int) -> Tuple[int, ...]:
     return next(g for g in groups if rank in g)
 
 
-class StaticGroups:
+class _Lockstep:
+    """Policies whose groups every worker works out alone, one group per step: nothing
+    to ask for, leave or close."""
+
+    def __init__(self):
+        self.rank, self.step = runtime.rank(), 0
+
+    def partition(self, step: int) -> Groups:
+        raise NotImplementedError
+
+    def next_group(self) -> Tuple[int, ...]:
+        group = _mine(self.partition(self.step), self.rank)
+        self.step += 1
+        return group
+
+    def leave(self) -> Groups:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class StaticGroups(_Lockstep):
     """A precomputed conflict-free schedule; every worker runs one group per step."""
 
     def __init__(self, group_size: int = 2, seed: int = 0):
-        self.rank = runtime.rank()
+        super().__init__()
         self.phases = static_schedule(runtime.size(), group_size, seed)
-        self.step = 0
 
-    def next_group(self) -> Tuple[int, ...]:
-        group = _mine(self.phases[self.step % len(self.phases)], self.rank)
-        self.step += 1
-        return group
-
-    def leave(self) -> Groups:
-        return []
-
-    def close(self) -> None:
-        pass
+    def partition(self, step: int) -> Groups:
+        return self.phases[step % len(self.phases)]
 
 
-class RandomGroups:
+class RandomGroups(_Lockstep):
     """A random partition per step from a shared seed: random yet conflict-free."""
 
     def __init__(self, group_size: int = 3, seed: int = 0):
-        self.rank, self.size = runtime.rank(), runtime.size()
-        self.group_size, self.seed, self.step = group_size, seed, 0
+        super().__init__()
+        self.size, self.group_size, self.seed = runtime.size(), group_size, seed
 
-    def next_group(self) -> Tuple[int, ...]:
-        group = _mine(random_partition(self.size, self.group_size, self.seed, self.step), self.rank)
-        self.step += 1
-        return group
-
-    def leave(self) -> Groups:
-        return []
-
-    def close(self) -> None:
-        pass
+    def partition(self, step: int) -> Groups:
+        return random_partition(self.size, self.group_size, self.seed, step)
 
 
 class GroupBook:

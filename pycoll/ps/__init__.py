@@ -155,17 +155,21 @@ def push(keys, values):
     return client.submit(f"pycoll.ps push of {_short(names)}", parts, keep=values)
 
 
+def _outs(keys, outs, found):
+    """Where pulled values land: the caller's tensors, or new numpy arrays."""
+    if outs is None:
+        import numpy as np
+        return [np.empty(k.shape, k.dtype) for k in found]
+    return _values(keys, outs)
+
+
 def pull(keys, outs=None):
     """Fetch ``keys``' parameters into ``outs`` (new numpy arrays if None); Work's result
     is the tensor (one name) or the list of tensors."""
     client = _client()
     names = _names(keys)
     found = client.lookup(names)
-    if outs is None:
-        import numpy as np
-        outs = [np.empty(k.shape, k.dtype) for k in found]
-    else:
-        outs = _values(keys, outs)
+    outs = _outs(keys, outs, found)
     parts, unpack = client.pull_parts(found, client.buffers(found, outs, writable=True))
     client.counters["pulls"] += 1
 
@@ -181,11 +185,7 @@ def push_pull(keys, values, outs=None):
     names, values = _names(keys), _values(keys, values)
     found = client.lookup(names)
     pushes = client.push_parts(found, client.buffers(found, values, writable=False))
-    if outs is None:
-        import numpy as np
-        outs = [np.empty(k.shape, k.dtype) for k in found]
-    else:
-        outs = _values(keys, outs)
+    outs = _outs(keys, outs, found)
     pulls, unpack = client.pull_parts(found, client.buffers(found, outs, writable=True))
     client.counters["pushes"] += 1
     client.counters["pulls"] += 1

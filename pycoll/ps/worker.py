@@ -71,6 +71,11 @@ class _Op:
         self.started = time.monotonic()
 
 
+
+def _spans(where, items):
+    """(address, bytes) of each key range ``items`` names, in the caller's buffers."""
+    return [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize) for k, r in items]
+
 class Client:
     """One worker's connection to the servers (``comm`` ranks ``server_ranks``)."""
 
@@ -115,12 +120,11 @@ class Client:
     def push_parts(self, keys: List[Key], bufs, op=wire.PUSH, extra=None, reply=False,
                    servers=None) -> List[_Part]:
         parts = []
+        where = {k.name: b for k, b in zip(keys, bufs)}
         for server, items in sorted(by_server(keys).items()):
             if servers is not None and server not in servers:
                 continue
-            where = {k.name: b for k, b in zip(keys, bufs)}
-            spans = [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize)
-                     for k, r in items]
+            spans = _spans(where, items)
             if len(spans) == 1:
                 payload = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
             else:
@@ -136,8 +140,7 @@ class Client:
         parts, unpacks = [], []
         where = {k.name: b for k, b in zip(keys, bufs)}
         for server, items in sorted(by_server(keys).items()):
-            spans = [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize)
-                     for k, r in items]
+            spans = _spans(where, items)
             if len(spans) == 1:
                 into = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
             else:

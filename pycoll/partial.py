@@ -55,8 +55,7 @@ _cache: Optional[_Cache] = None
 
 def _state() -> _Cache:
     global _cache
-    runtime.world()                               # raises if pycoll is not initialized
-    comm = runtime._state.p2p_comm
+    comm = runtime.p2p_comm()                     # raises if pycoll is not initialized
     if _cache is None or _cache.comm is not comm:     # first use, or after shutdown/init
         _cache = _Cache(comm)
     return _cache

@@ -132,6 +132,13 @@ def size() -> int:
     return world().size()
 
 
+def p2p_comm():
+    """pycoll's own duplicate of the world communicator for point-to-point protocols
+    (partial_allreduce): their tags never meet anyone else's messages."""
+    world()
+    return _state.p2p_comm
+
+
 def local_rank() -> int:
     world()
     return _state.local_comm.Get_rank()

@@ -47,16 +47,19 @@ PYBIND11_MODULE(_C, m) {
     // ---- CPU ----
     m.def(
         "pack",
-        [](uintptr_t dst, const Ptrs& srcs, const Sizes& nbytes) { cpu::pack(ptr(dst), const_ptrs(srcs), nbytes); },
-        py::arg("dst"), py::arg("srcs"), py::arg("nbytes"), Release(),
-        "Copy srcs[i] (nbytes[i] bytes) back to back into dst.");
+        [](uintptr_t dst, const Ptrs& srcs, const Sizes& nbytes, size_t begin, size_t end) {
+            cpu::pack(ptr(dst), const_ptrs(srcs), nbytes, begin, end);
+        },
+        py::arg("dst"), py::arg("srcs"), py::arg("nbytes"), py::arg("begin") = 0, py::arg("end") = SIZE_MAX, Release(),
+        "Copy srcs[i] (nbytes[i] bytes) back to back into dst; only bytes [begin, end) of that stream.");
     m.def(
         "unpack",
-        [](uintptr_t src, const Ptrs& dsts, const Sizes& nbytes, const std::string& dtype, double scale) {
-            cpu::unpack(ptr(src), mut_ptrs(dsts), nbytes, parse_dtype(dtype), scale);
-        },
+        [](uintptr_t src, const Ptrs& dsts, const Sizes& nbytes, const std::string& dtype, double scale, size_t begin,
+           size_t end) { cpu::unpack(ptr(src), mut_ptrs(dsts), nbytes, parse_dtype(dtype), scale, begin, end); },
         py::arg("src"), py::arg("dsts"), py::arg("nbytes"), py::arg("dtype") = "uint8", py::arg("scale") = 1.0,
-        Release(), "Inverse of pack; multiplies each element by scale (float dtypes) when scale != 1.");
+        py::arg("begin") = 0, py::arg("end") = SIZE_MAX, Release(),
+        "Inverse of pack (src holds bytes [begin, end) of the stream); multiplies each element by scale (float "
+        "dtypes) when scale != 1.");
     m.def(
         "reduce",
         [](uintptr_t inout, uintptr_t src, size_t count, const std::string& dtype, const std::string& op) {

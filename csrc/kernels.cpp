@@ -1,6 +1,7 @@
 // CPU kernels. Plain loops over ops.h; -O3 vectorizes the memcpy-based loads.
 #include "kernels.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -39,32 +40,41 @@ void check_cast(DType src, DType dst) {
 
 namespace cpu {
 
-void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes) {
+// The tensors' bytes form one stream (pack's layout); [begin, end) is the window of it
+// that dst (pack) or src (unpack) holds, so a fused batch can travel in pieces.
+void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes, size_t begin,
+          size_t end) {
     check_same_length(srcs.size(), nbytes.size(), "pack");
     char* out = static_cast<char*>(dst);
-    for (size_t i = 0; i < srcs.size(); ++i) {
-        if (nbytes[i]) std::memcpy(out, srcs[i], nbytes[i]);
-        out += nbytes[i];
+    size_t pos = 0;
+    for (size_t i = 0; i < srcs.size() && pos < end; pos += nbytes[i++]) {
+        const size_t lo = std::max(pos, begin), hi = std::min(pos + nbytes[i], end);
+        if (lo < hi) std::memcpy(out + (lo - begin), static_cast<const char*>(srcs[i]) + (lo - pos), hi - lo);
     }
 }
 
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
-            double scale) {
+            double scale, size_t begin, size_t end) {
     check_same_length(dsts.size(), nbytes.size(), "unpack");
     check_unpack(nbytes, dt, scale);
+    if (begin % itemsize(dt) || (end != SIZE_MAX && end % itemsize(dt)))
+        throw std::invalid_argument("unpack: the window [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                    ") does not fall on " + name(dt) + " element boundaries");
     const char* in = static_cast<const char*>(src);
-    for (size_t i = 0; i < dsts.size(); ++i) {
-        if (!nbytes[i]) continue;
+    size_t pos = 0;
+    for (size_t i = 0; i < dsts.size() && pos < end; pos += nbytes[i++]) {
+        const size_t lo = std::max(pos, begin), hi = std::min(pos + nbytes[i], end);
+        if (lo >= hi) continue;
+        char* out = static_cast<char*>(dsts[i]) + (lo - pos);
         if (scale == 1.0) {
-            std::memcpy(dsts[i], in, nbytes[i]);
+            std::memcpy(out, in + (lo - begin), hi - lo);
         } else {
             dispatch_float(dt, [&](auto tag) {
                 using T = typename decltype(tag)::type;
                 const arith_t<T> f = arith_t<T>(scale);
-                for (size_t j = 0, n = nbytes[i] / sizeof(T); j < n; ++j) scale_at<T, false>(dsts[i], in, j, f);
+                for (size_t j = 0, n = (hi - lo) / sizeof(T); j < n; ++j) scale_at<T, false>(out, in + (lo - begin), j, f);
             });
         }
-        in += nbytes[i];
     }
 }
 

@@ -21,9 +21,11 @@ void check_unpack(const std::vector<size_t>& nbytes, DType dt, double scale);
 void check_cast(DType src, DType dst);
 
 namespace cpu {
-void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes);
+// [begin, end): the window of the packed stream that dst (pack) / src (unpack) holds.
+void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes, size_t begin = 0,
+          size_t end = SIZE_MAX);
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
-            double scale);
+            double scale, size_t begin = 0, size_t end = SIZE_MAX);
 void reduce(void* inout, const void* src, size_t count, DType dt, Op op);
 void scale(void* ptr, size_t count, DType dt, double factor);
 void cast(void* dst, const void* src, size_t count, DType src_dt, DType dst_dt);

@@ -7,7 +7,7 @@ work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
 import enum
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -70,10 +70,13 @@ _MAX_COUNT = 2**31 - 1            # MPI counts are C ints
 _PIECE = 2**30                    # elements per MPI call for operations that can be split
 
 
-def _pieces(nbytes: int, itemsize: int):
-    """(offset, nbytes) pieces of at most _PIECE elements, so counts fit MPI's C ints;
-    an elementwise operation may be split anywhere."""
+def _pieces(nbytes: int, itemsize: int, chunk_bytes: int = 0):
+    """(offset, nbytes) pieces of at most _PIECE elements, so counts fit MPI's C ints, and
+    of at most ``chunk_bytes`` (whole elements) when given; an elementwise operation may
+    be split anywhere."""
     step = _PIECE * itemsize
+    if chunk_bytes:
+        step = min(step, max(itemsize, chunk_bytes // itemsize * itemsize))
     return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
 
 
@@ -140,44 +143,74 @@ def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
 
 
 def _allreduce_one(item: _Allreduce):
-    """In MPI's hands directly: no copy unless CUDA memory must be staged."""
+    """In MPI's hands directly, no copy, in pieces of PYCOLL_CHUNK_BYTES: each is reduced
+    and scaled while it is in cache. CUDA memory without a CUDA-aware MPI is staged."""
     src, dst, grp = item.src, item.dst, item.grp
     grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=item.op.value)
-    mpi_op = _mpi_op(item.op, src.dtype)
-    with _host(src) as s, _host(dst, read=False, write=True) as d:
-        for offset, nbytes in _pieces(dst.nbytes, tensors.ITEMSIZE[dst.dtype]):
-            send = MPI.IN_PLACE if s == d else _msg(s + offset, nbytes, src.dtype)
-            grp.comm.Allreduce(send, _msg(d + offset, nbytes, dst.dtype), mpi_op)
+    if src.device != "cpu" and not config.get("cuda_aware_mpi"):
+        _reduce_staged([item])
+        return item.out
+    mpi_op, itemsize = _mpi_op(item.op, src.dtype), tensors.ITEMSIZE[src.dtype]
+    for offset, nbytes in _pieces(dst.nbytes, itemsize, config.get("chunk_bytes")):
+        send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
+        grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
         if item.op is Average:
-            _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
+            _C.scale(dst.ptr + offset, nbytes // itemsize, dst.dtype, 1.0 / grp.size())
     return item.out
 
 
 def _allreduce_fused(items: List[_Allreduce]) -> None:
-    """One MPI call for many same-key tensors: pack, reduce, unpack (+ Average's scale)."""
+    """One reduction for many same-key tensors."""
     first = items[0]
     first.grp.agree("fused allreduce", f"{first.name} and {len(items) - 1} more",
                     dtype=first.src.dtype, op=first.op.value,
                     shapes=[(it.name, it.src.shape) for it in items])
+    _reduce_staged(items)
+
+
+def _reduce_staged(items: List[_Allreduce]) -> None:
+    """Same-key tensors seen as one stream of bytes, reduced through the engine's staging
+    buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack (or copy from the GPU), one MPI
+    Allreduce, unpack (+ Average's scale, or scale and copy back to the GPU). Each piece
+    stays in cache from pack to unpack, and the buffer is one piece long."""
+    first = items[0]
+    dtype, grp, itemsize = first.src.dtype, first.grp, tensors.ITEMSIZE[first.src.dtype]
     sizes = [it.src.nbytes for it in items]
-    fusion = runtime.engine().fusion_buffer(sum(sizes))
-    on_host = first.src.device == "cpu"      # a batch shares one device (its key)
-    with ExitStack() as stack:
-        _C.pack(fusion.ctypes.data, [it.src.ptr if on_host else stack.enter_context(
-            _host(it.src)) for it in items], sizes)
-    first.grp.comm.Allreduce(MPI.IN_PLACE, _msg(fusion.ctypes.data, fusion.nbytes,
-                                                first.src.dtype),
-                             _mpi_op(first.op, first.src.dtype))
-    scale = 1.0 / first.grp.size() if first.op is Average else 1.0
-    with ExitStack() as stack:
-        outs = [it.dst.ptr if on_host else stack.enter_context(
-            _host(it.dst, read=False, write=True)) for it in items]
-        _C.unpack(fusion.ctypes.data, outs, sizes, first.src.dtype, scale)
+    srcs, dsts = [it.src.ptr for it in items], [it.dst.ptr for it in items]
+    on_host = first.src.device == "cpu"          # a batch shares one device (its key)
+    scale = 1.0 / grp.size() if first.op is Average else 1.0
+    mpi_op, engine = _mpi_op(first.op, dtype), runtime.engine()
+    for begin, nbytes in _pieces(sum(sizes), itemsize, config.get("chunk_bytes")):
+        end, piece = begin + nbytes, engine.fusion_buffer(nbytes).ctypes.data
+        if on_host:
+            _C.pack(piece, srcs, sizes, begin, end)
+        else:
+            for i, offset, at, n in _segments(sizes, begin, end):
+                tensors.copy_device(piece + at, srcs[i] + offset, n)
+        grp.comm.Allreduce(MPI.IN_PLACE, _msg(piece, nbytes, dtype), mpi_op)
+        if on_host:
+            _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
+            continue
+        if scale != 1.0:
+            _C.scale(piece, nbytes // itemsize, dtype, scale)
+        for i, offset, at, n in _segments(sizes, begin, end):
+            tensors.copy_device(dsts[i] + offset, piece + at, n)
+
+
+def _segments(sizes: Sequence[int], begin: int, end: int):
+    """(tensor index, offset in it, offset in the piece, nbytes) of each tensor's share of
+    bytes [begin, end) of the packed stream: where _C.pack cannot reach (GPU memory)."""
+    pos = 0
+    for i, size in enumerate(sizes):
+        lo, hi = max(pos, begin), min(pos + size, end)
+        if lo < hi:
+            yield i, lo - pos, lo - begin, hi - lo
+        pos += size
 
 
 def _allreduce_batch(items: List[_Allreduce]) -> list:
-    """Same-key allreduces in fusion-buffer-sized chunks; a tensor that fills a chunk
-    by itself goes alone, without a copy. Returns the outputs."""
+    """Same-key allreduces in fusion-threshold-sized groups; a tensor that fills one by
+    itself goes alone, without a copy. Returns the outputs."""
     threshold = config.get("fusion_threshold")
     chunk: List[_Allreduce] = []
     size = 0
@@ -189,6 +222,18 @@ def _allreduce_batch(items: List[_Allreduce]) -> list:
             chunk.append(item)
             size += item.src.nbytes
     return [item.out for item in items]
+
+
+def _allreduce_queued(items: List[_Allreduce]) -> list:
+    """A batch the engine fused. With PYCOLL_CYCLE_TIME_MS each rank cuts its batches by
+    its own clock, so they may differ: the ranks send the longest prefix that all of them
+    hold (one small MIN allreduce, Horovod's negotiation), and the engine queues the rest
+    first. Without a cycle, batches are cut at the same places on every rank."""
+    if config.get("cycle_time_ms"):
+        count = np.array([len(items)], np.int64)
+        items[0].grp.comm.Allreduce(MPI.IN_PLACE, count, MPI.MIN)
+        items = items[:int(count[0])]
+    return _allreduce_batch(items)
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
@@ -352,7 +397,7 @@ def _submit(plan) -> Work:
 
 
 def _submit_allreduce(item: _Allreduce) -> Work:
-    return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_batch,
+    return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_queued,
                                            item.name)
 
 

@@ -56,6 +56,17 @@ KNOBS = {k.name: k for k in (
     # sweep (1 to 128 MiB), and small enough that batches leave while backward runs.
     Knob("fusion_threshold", 4 * 2**20, int,
          "bytes: allreduces issued one after another are fused into batches up to this size"),
+    # 4 MiB: bench/collectives.py's chunk sweep; a 64 MiB allreduce in 2-8 MiB pieces ran
+    # 2-2.5x faster than in one MPI call at 2 and 4 ranks (the pieces stay in cache).
+    Knob("chunk_bytes", 4 * 2**20, int,
+         "bytes: an allreduce larger than this (one tensor or a fused batch) travels in pieces "
+         "of this size, each packed, reduced and unpacked while it is in cache; also the most "
+         "host memory that staging GPU tensors takes"),
+    # 0 by bench/fusion.py's cycle sweep: with deterministic cuts no negotiation is needed.
+    Knob("cycle_time_ms", 0.0, float,
+         "milliseconds: a fused batch still filling is sent once it is this old, ranks agreeing "
+         "on its contents by one small allreduce (Horovod's cycle); 0: batches are cut only at "
+         "the fusion threshold, another kind of operation, or when a result is needed"),
     Knob("check", False, _bool,
          "before each collective, ranks compare what they submit; mismatches and missing "
          "ranks raise on every rank"),

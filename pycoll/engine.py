@@ -1,12 +1,12 @@
 """The engine: runs a process's collectives in order, fusing small allreduces.
 
-Fusion is decided where operations are issued, never by timing. Ranks must agree
-on which tensors travel together, or their MPI calls would not match; a timer
-(Horovod's cycle) can only be made safe by a negotiation round per cycle. Instead,
-as DDP's buckets do, consecutive fusable operations with the same key share a batch
+As DDP's buckets do, consecutive fusable operations with the same key share a batch
 until the batch would pass the fusion threshold, another kind of operation is issued,
 or someone needs a result (``Work.wait``, ``is_completed``, a blocking call, ``flush``).
-Every rank issuing the same program makes the same batches.
+Every rank issuing the same program makes the same batches. With a cycle time
+(PYCOLL_CYCLE_TIME_MS) a batch is also sent once it is that old, as Horovod's cycle
+does; ranks then cut by their own clocks, so a batch's ``run`` may agree with the
+other ranks to take only a prefix of its items, and the engine runs the rest next.
 """
 import collections
 import logging
@@ -29,6 +29,16 @@ class _Batch:
         self.items: List[Any] = []
         self.works: List[Work] = []
         self.nbytes = 0
+        self.opened = time.monotonic()
+
+    def split(self, count: int) -> "_Batch":
+        """The items after the first ``count``, moved to a batch of their own."""
+        rest = _Batch(self.run, self.key)
+        rest.items, rest.works = self.items[count:], self.works[count:]
+        del self.items[count:], self.works[count:]
+        for work in rest.works:
+            work._done = rest.done          # set before self.done: see Work.wait
+        return rest
 
 
 class Engine:
@@ -68,13 +78,16 @@ class Engine:
     def submit_fusable(self, key: Hashable, nbytes: int, item: Any,
                        run: Callable[[list], list], name: str) -> Work:
         """Queue ``item``; items with equal ``key`` may run as one ``run(items)``,
-        which returns one result per item."""
+        which returns one result for each item, or for a prefix of them: the engine
+        then runs the rest as the next batch."""
         threshold = config.get("fusion_threshold")
         with self._cv:
             batch = self._open
             if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
                 self._close_open()
                 batch = self._open = _Batch(run, key)
+                if config.get("cycle_time_ms"):
+                    self._wake()                # to time the new batch's cycle
             work = Work(name, self.flush, batch.done)
             batch.items.append(item)
             batch.works.append(work)
@@ -105,10 +118,11 @@ class Engine:
             self._close_open()
 
     def fusion_buffer(self, nbytes: int) -> np.ndarray:
-        """The one reusable fusion buffer, at least ``nbytes`` long. Batches run one at
-        a time, so they share it."""
+        """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
+        largest piece asked for: PYCOLL_CHUNK_BYTES at most). Batches run one at a time,
+        so they share it."""
         if self._fusion.nbytes < nbytes:
-            self._fusion = np.empty(max(nbytes, config.get("fusion_threshold")), np.uint8)
+            self._fusion = np.empty(nbytes, np.uint8)
         return self._fusion[:nbytes]
 
     # ------------------------------------------------------------ internals
@@ -119,10 +133,25 @@ class Engine:
 
     def _enqueue(self, batch: _Batch) -> None:
         self._ready.append(batch)
+        self._wake()
+
+    def _wake(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
             self._thread.start()
         self._cv.notify_all()
+
+    def _close_if_cycle_over(self) -> Optional[float]:
+        """Close the open batch if it has waited PYCOLL_CYCLE_TIME_MS; else the seconds
+        it has left (None: no cycle, or no open batch)."""
+        cycle = config.get("cycle_time_ms") / 1e3
+        if not cycle or self._open is None:
+            return None
+        left = self._open.opened + cycle - time.monotonic()
+        if left > 0:
+            return left
+        self._close_open()
+        return None
 
     def _execute(self, fn: Callable[[], Any], name: str) -> Any:
         self._running = (name, time.monotonic())
@@ -157,12 +186,19 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._ready or self._busy:
-                    self._cv.wait()
+                while True:
+                    left = self._close_if_cycle_over()
+                    if self._ready and not self._busy:
+                        break
+                    self._cv.wait(left)
                 batch = self._ready.popleft()
                 self._busy = True
             try:
                 results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
+                if len(results) < len(batch.items):     # the ranks agreed on a prefix
+                    rest = batch.split(len(results))
+                    with self._cv:
+                        self._ready.appendleft(rest)
                 for work, result in zip(batch.works, results):
                     work._finish(result, signal=False)
             except BaseException as error:      # delivered to whoever waits on the Works

@@ -1,5 +1,6 @@
 """The handle of an operation that may still be running."""
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from . import config
@@ -14,7 +15,9 @@ class Work:
 
     ``wait(timeout)`` returns its result or raises its error; ``is_completed()`` and
     ``exception()`` never block. Each of them first calls ``on_wait`` (the engine's
-    flush: an operation whose result is asked for must be on its way).
+    flush: an operation whose result is asked for must be on its way). ``_done`` may
+    be shared with the Works that finish together, and replaced while unset when the
+    engine moves this Work to a later batch.
     """
 
     def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None,
@@ -33,7 +36,8 @@ class Work:
 
     def is_completed(self) -> bool:
         self._on_wait()
-        return self._done.is_set()
+        done = self._done
+        return done.is_set() and done is self._done
 
     def exception(self) -> Optional[BaseException]:
         """The error the operation raised, None if it succeeded or is still running."""
@@ -44,7 +48,13 @@ class Work:
         """Block until done (at most ``timeout`` s, default PYCOLL_TIMEOUT); the result."""
         self._on_wait()
         timeout = config.get("timeout") if timeout is None else timeout
-        if not self._done.wait(timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self._done
+            finished = done.wait(max(0.0, deadline - time.monotonic()))
+            if done is self._done:      # else the engine moved this Work to a later batch
+                break
+        if not finished:
             raise CollectiveTimeout(f"pycoll: {self.name} did not complete within {timeout:g} s; "
                                     "a rank may have skipped it or died (PYCOLL_TIMEOUT sets the limit)")
         if self._error is not None:

@@ -106,6 +106,22 @@ def test_allreduce_torch_and_cuda_arrays(group, kind, dtype, fake_device):
     assert (fake_device.calls > 0) == (kind == "fake_cuda")   # staged through host memory
 
 
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatch, op):
+    """Host staging for GPU memory is one PYCOLL_CHUNK_BYTES piece, whatever the tensor size."""
+    arg, rank, size = group
+    monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", 400)
+    x = make(rank_input("float32", (1000,), rank, op), "float32", "fake_cuda")
+    y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+    assert_matches(y, expected_reduce("float32", (1000,), size, op), "float32")
+    assert fake_device.calls == 2 * 10                # 4000 B: 10 pieces in and out
+    xs = [make(rank_input("float32", (n,), rank, op), "float32", "fake_cuda") for n in (30, 1, 170)]
+    for w in [pycoll.allreduce_async_(x, op=getattr(pycoll, op), group=arg) for x in xs]:
+        w.wait()
+    for x in xs:
+        assert_matches(x, expected_reduce("float32", x.shape, size, op), "float32")
+
+
 def test_async_work_contract(group):
     arg, rank, size = group
     works = [pycoll.allreduce_async(np.full(100, rank + i, np.float32), op=pycoll.Sum, group=arg)

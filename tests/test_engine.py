@@ -1,6 +1,7 @@
 """The engine: fused results equal unfused ones; order and completion under threads."""
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,10 +13,15 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def threshold(monkeypatch, pycoll_world):
-    def set_threshold(nbytes):
-        monkeypatch.setitem(config._overrides, "fusion_threshold", nbytes)
-    return set_threshold
+def knob(monkeypatch, pycoll_world):
+    def set_knob(name, value):
+        monkeypatch.setitem(config._overrides, name, value)
+    return set_knob
+
+
+@pytest.fixture
+def threshold(knob):
+    return lambda nbytes: knob("fusion_threshold", nbytes)
 
 
 @pytest.fixture
@@ -53,6 +59,68 @@ def test_fused_results_equal_unfused(group, threshold, fused_calls, nbytes):
         assert fused_calls == []                       # every tensor alone
     if nbytes == 64 * 2**20:
         assert fused_calls == [15, 15, 15, 15]          # one call per dtype
+
+
+def expected_sums(size):
+    return [sum(t.astype(np.float64) for t in ts)
+            for ts in zip(*(tensors_for(r) for r in range(size)))]
+
+
+@pytest.mark.parametrize("chunk", [8, 100, 2**20])
+def test_pieces_of_chunk_bytes_give_the_same_results(group, knob, chunk):
+    """Large allreduces travel in PYCOLL_CHUNK_BYTES pieces, cut anywhere but mid-element."""
+    arg, rank, size = group
+    knob("chunk_bytes", chunk)
+    xs = tensors_for(rank)
+    alone = [pycoll.allreduce(x, op=pycoll.Sum, group=arg) for x in xs]
+    fused = [w.wait() for w in [pycoll.allreduce_async(x, op=pycoll.Sum, group=arg) for x in xs]]
+    for a, f, want in zip(alone, fused, expected_sums(size)):
+        np.testing.assert_array_equal(a, want)
+        np.testing.assert_array_equal(f, want)
+    y = np.arange(1001, dtype=np.float64) * (rank + 1)
+    np.testing.assert_allclose(pycoll.allreduce(y, group=arg), np.arange(1001) * (size + 1) / 2)
+
+
+@pytest.mark.parametrize("cycle_ms", [0.5, 20])
+def test_cycle_time_batches_agree_across_ranks(group, knob, cycle_ms):
+    """Each rank cuts batches by its own clock; rank 0 issues slowly, so its batches are
+    shorter than the others' and the ranks must agree on a prefix every time."""
+    arg, rank, size = group
+    knob("cycle_time_ms", cycle_ms)
+    xs = tensors_for(rank)
+    works = []
+    for i, x in enumerate(xs):
+        works.append(pycoll.allreduce_async(x, op=pycoll.Sum, group=arg))
+        if rank == 0 and i % 7 == 0:
+            time.sleep(cycle_ms / 1e3 * 1.5)      # its open batch's cycle runs out
+    waited = list(range(len(works)))
+    random.Random(rank).shuffle(waited)           # wait out of order: moved Works too
+    results = {i: works[i].wait(timeout=60) for i in waited}
+    for i, want in enumerate(expected_sums(size)):
+        np.testing.assert_array_equal(results[i], want)
+    assert all(w.is_completed() for w in works)
+
+
+def test_a_batch_leaves_when_its_cycle_ends(group, knob):
+    """Nobody waits or flushes: without a cycle the batch stays, with one the cycle sends it."""
+    arg, rank, size = group
+
+    def issue_and_watch(seconds):
+        xs = [np.full(10, rank, np.float32) for _ in range(4)]
+        works = [pycoll.allreduce_async_(x, op=pycoll.Sum, group=arg) for x in xs]
+        deadline = time.monotonic() + seconds
+        while not all(w._done.is_set() for w in works) and time.monotonic() < deadline:
+            time.sleep(0.01)                      # _done: is_completed() would flush
+        sent = all(w._done.is_set() for w in works)
+        for w in works:
+            w.wait(timeout=60)
+        for x in xs:
+            np.testing.assert_array_equal(x, sum(range(size)))
+        return sent
+
+    assert not issue_and_watch(0.3)
+    knob("cycle_time_ms", 5)
+    assert issue_and_watch(30)
 
 
 def test_thousand_small_tensors_make_few_calls(group, threshold, fused_calls):

@@ -261,6 +261,34 @@ def test_pack_unpack_round_trip(name, offset):
         assert_same(o, b)
 
 
+@pytest.mark.parametrize("window", [998, 4096, 65536])
+@pytest.mark.parametrize("name", ["uint8", "float16", "float64"])
+def test_pack_unpack_in_windows(name, window):
+    """Windows [begin, end) of the packed stream, one at a time: what a chunked fused
+    allreduce does, with tensors cut across window edges."""
+    bufs = make_buffers(name, 5, count=12)
+    nbytes = [b.nbytes for b in bufs]
+    whole = np.concatenate([b.view(np.uint8) for b in bufs])
+    step = max(window // bufs[0].itemsize, 1) * bufs[0].itemsize      # whole elements
+    piece = np.zeros(step, np.uint8)
+    outs = [np.zeros(len(b), b.dtype) for b in bufs]
+    scale = 1.0 if name == "uint8" else 0.5
+    for begin in range(0, len(whole), step):
+        end = min(begin + step, len(whole))
+        _C.pack(ptr(piece), [ptr(b) for b in bufs], nbytes, begin, end)
+        np.testing.assert_array_equal(piece[:end - begin], whole[begin:end])
+        _C.unpack(ptr(piece), [ptr(o) for o in outs], nbytes, name, scale, begin, end)
+    with np.errstate(all="ignore"):
+        for o, b in zip(outs, bufs):
+            assert_same(o, b if scale == 1.0 else ref_scale(b, scale))
+
+
+def test_unpack_window_must_fall_on_elements():
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="element boundaries"):
+        _C.unpack(ptr(a), [ptr(a)], [16], "float32", 1.0, 2, 16)
+
+
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("name", FLOATS)
 def test_unpack_with_scale(name, offset):

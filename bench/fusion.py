@@ -3,10 +3,11 @@
 (one raw MPI Allreduce of the same bytes pre-concatenated), one raw call per tensor and
 torch.distributed gloo.
 
-    pycollrun -np 4 python bench/fusion.py [--cases resnet50,small]
-        [--thresholds 1M,4M,16M,64M,128M] [--iters 20] [--target-ms 300] [--warmup 2]
-        [--batches 5] [--small-count 1000] [--small-bytes 4K] [--scale 1] [--check]
-        [--json PATH] [--no-gloo]
+    pycollrun -np 4 python bench/fusion.py [--cases resnet50,small,large]
+        [--thresholds 1M,4M,16M,64M,128M] [--chunks 1M,2M,4M,8M,64M] [--cycles 0,0.5,2]
+        [--iters 20] [--target-ms 300] [--warmup 2] [--batches 5] [--small-count 1000]
+        [--small-bytes 4K] [--large-bytes 64M] [--scale 1] [--check] [--json PATH]
+        [--no-gloo]
 
 Cases (float32, op Sum, each tensor its own allocation, zero-filled so that repeated
 in-place sums stay finite):
@@ -14,6 +15,7 @@ in-place sums stay finite):
   resnet50  ResNet-50's 161 gradient tensors (RESNET50_SHAPES below, torchvision's order,
             25,557,032 parameters), issued in reverse, the order backward produces them
   small     --small-count tensors of --small-bytes (1,000 x 4 KiB)
+  large     one tensor of --large-bytes (64 MiB): no fusion, PYCOLL_CHUNK_BYTES pieces
 
 Implementations, per pass over a case's tensors:
 
@@ -27,12 +29,15 @@ Implementations, per pass over a case's tensors:
 Time per pass: mean over a batch on the slowest rank; batches of about --target-ms (at
 most --iters passes), implementations interleaved batch by batch; tables quote the median
 of --batches batches (bench/harness.py). algbw = bytes / time, busbw = algbw x 2(n-1)/n.
-Then a fusion-threshold sweep: pycoll on each case at each --thresholds value (set with
-pycoll.configure between batches, interleaved with the floor), the number of fused
-batches each made, and the best threshold. The header gives the host's memcpy bandwidth
-measured in this run; the end, each rank's peak RSS and what pycoll's first fused pass
-added to it, against the fusion threshold. --check compares pycoll's fused results (Sum
-and Average, at the default and at every swept threshold) with numpy on every rank.
+Then one sweep per knob, the others at their defaults: pycoll on each case at each value
+of --thresholds (PYCOLL_FUSION_THRESHOLD), --chunks (PYCOLL_CHUNK_BYTES) and --cycles
+(PYCOLL_CYCLE_TIME_MS), set with pycoll.configure between batches and interleaved with the
+floor; the number of MPI allreduces each made, and the best value over all cases: the
+defaults in pycoll/config.py come from here. The header gives the host's memcpy
+bandwidth measured in this run; the end, each rank's peak RSS and what pycoll's first
+fused pass added to it, against the staging buffer (one chunk). --check compares
+pycoll's fused results (Sum and Average, at the defaults and at every swept value) with
+numpy on every rank.
 --scale shrinks the ResNet-50 tensors (for tests; the shape list is checked at full size).
 """
 import argparse
@@ -163,9 +168,12 @@ def make_cases(args) -> list:
             counts = [max(1, round(math.prod(s) * args.scale)) for s in reversed(RESNET50_SHAPES)]
             label = (f"ResNet-50 gradients: {len(counts)} tensors, {sum(counts):,} float32"
                      + (f" (--scale {args.scale:g})" if args.scale != 1 else ""))
-        else:
+        elif name == "small":
             counts = [max(1, args.small_bytes // 4)] * args.small_count
             label = f"{args.small_count} tensors of {human_bytes(counts[0] * 4)}, float32"
+        else:
+            counts = [max(1, args.large_bytes // 4)]
+            label = f"one tensor of {human_bytes(counts[0] * 4)}, float32"
         cases.append(Case(name, counts, label))
     return cases
 
@@ -214,10 +222,10 @@ def count_batches(fn) -> int:
     return comm.allreduce(calls[0], op=MPI.MAX) or None
 
 
-def set_threshold(nbytes: int) -> None:
-    pycoll.configure(fusion_threshold=nbytes)
-    got = pycoll.config.get("fusion_threshold")
-    assert got == nbytes, f"configure(fusion_threshold={nbytes}) did not take: {got}"
+def set_knob(name: str, value) -> None:
+    pycoll.configure(**{name: value})
+    got = pycoll.config.get(name)
+    assert got == value, f"configure({name}={value}) did not take: {got}"
 
 
 def fmt(x, width, prec):
@@ -257,23 +265,34 @@ def bench_case(case: Case, impls, args, rows) -> dict:
          "gloo-concat/pycoll": ratio(t, "gloo-concat", "pycoll")}
     if comm.rank == 0:
         target = {"resnet50": "pycoll/mpi4py-concat <= 1.15",
-                  "small": "mpi4py-per-tensor/pycoll >= 5"}.get(case.name, "")
+                  "small": "mpi4py-per-tensor/pycoll >= 5",
+                  "large": "pycoll/mpi4py-concat <= 1.05, gloo-concat/pycoll >= 2"
+                  }.get(case.name, "")
         print("# ratios: " + "; ".join(f"{k} {fmt(v, 0, 2)}" for k, v in r.items())
               + (f"  (target: {target})" if target else ""), flush=True)
     return r
 
 
-def sweep(cases, thresholds, args, rows, default: int) -> dict:
-    """pycoll at each threshold, interleaved with the floor; the best threshold."""
+SWEEPS = {  # knob: (label of a value, how a value is parsed)
+    "fusion_threshold": (human_bytes, parse_bytes),
+    "chunk_bytes": (human_bytes, parse_bytes),
+    "cycle_time_ms": (lambda v: f"{v:g} ms", float),
+}
+
+
+def sweep(cases, knob: str, values, args, rows) -> dict:
+    """pycoll at each value of ``knob``, interleaved with the floor; the best value."""
+    label = SWEEPS[knob][0]
+    default = pycoll.config.get(knob)
     results = {}
     for case in cases:
-        names = [f"pycoll@{human_bytes(T)}" for T in thresholds]
+        names = [f"pycoll@{label(v)}" for v in values]
         fns = {name: case.pycoll for name in names}
         fns["mpi4py-concat"] = case.fns(["mpi4py-concat"])["mpi4py-concat"]
-        setup = {name: (lambda T=T: set_threshold(T)) for name, T in zip(names, thresholds)}
+        setup = {name: (lambda v=v: set_knob(knob, v)) for name, v in zip(names, values)}
         batches, iters = {}, {}
-        for name, T in zip(names, thresholds):
-            set_threshold(T)
+        for name, v in zip(names, values):
+            set_knob(knob, v)
             batches[name] = count_batches(case.pycoll)     # also a warm-up pass
             for _ in range(max(0, args.warmup - 1)):
                 case.pycoll()
@@ -284,70 +303,81 @@ def sweep(cases, thresholds, args, rows, default: int) -> dict:
         times = interleave(fns, iters, 0, args.batches, setup)
         t = {k: median(v) for k, v in times.items()}
         best = min(names, key=lambda k: t[k])
-        results[case.name] = {T: t[name] / t[best] for name, T in zip(names, thresholds)}
+        results[case.name] = {v: t[name] / t[best] for name, v in zip(names, values)}
         if comm.rank == 0:
-            print(f"\n# sweep {case.name}: {case.label}; floor (mpi4py-concat) "
+            print(f"\n# sweep {knob} {case.name}: {case.label}; floor (mpi4py-concat) "
                   f"{t['mpi4py-concat'] * 1e3:.3f} ms")
-            print(f"# {'threshold':>10} {'time(ms)':>10} {'/floor':>7} {'/best':>6} "
+            print(f"# {knob:>18} {'time(ms)':>10} {'/floor':>7} {'/best':>6} "
                   f"{'batches':>7} {'iters':>5}")
-        for name, T in zip(names, thresholds):
-            rows.append(dict(section="sweep", case=case.name, impl="pycoll", threshold=T,
-                             tensors=len(case.arrays), bytes=case.nbytes, time_us=t[name] * 1e6,
-                             floor_us=t["mpi4py-concat"] * 1e6, mpi_batches=batches[name],
-                             iters=iters[name], batches_us=[x * 1e6 for x in times[name]]))
+        for name, v in zip(names, values):
+            rows.append(dict(section="sweep", knob=knob, value=v, case=case.name,
+                             impl="pycoll", tensors=len(case.arrays), bytes=case.nbytes,
+                             time_us=t[name] * 1e6, floor_us=t["mpi4py-concat"] * 1e6,
+                             mpi_batches=batches[name], iters=iters[name],
+                             batches_us=[x * 1e6 for x in times[name]]))
             if comm.rank == 0:
-                print(f"  {human_bytes(T):>10} {t[name] * 1e3:10.3f} "
+                print(f"  {label(v):>18} {t[name] * 1e3:10.3f} "
                       f"{t[name] / t['mpi4py-concat']:7.3f} {t[name] / t[best]:6.3f} "
                       f"{batches[name] if batches[name] else '-':>7} {iters[name]:>5}"
                       + ("  <- best" if name == best else ""), flush=True)
-    set_threshold(default)
+    set_knob(knob, default)
     # Overall: the geometric mean over cases of time / that case's best.
-    score = {T: math.exp(sum(math.log(results[c][T]) for c in results) / len(results))
-             for T in thresholds}
-    best = min(thresholds, key=lambda T: score[T])
-    summary = dict(per_case={c: human_bytes(min(results[c], key=results[c].get))
-                             for c in results},
-                   score={human_bytes(T): s for T, s in score.items()}, best=best)
+    score = {v: math.exp(sum(math.log(results[c][v]) for c in results) / len(results))
+             for v in values}
+    best = min(values, key=lambda v: score[v])
+    summary = dict(per_case={c: label(min(results[c], key=results[c].get)) for c in results},
+                   score={label(v): s for v, s in score.items()}, best=best)
     if comm.rank == 0:
-        print("\n# best threshold: " + ", ".join(f"{c} {b}" for c, b in summary["per_case"].items())
-              + f"; over both (geometric mean of time/best): {human_bytes(best)} ("
-              + ", ".join(f"{k} {v:.3f}" for k, v in summary["score"].items()) + ")", flush=True)
+        print(f"\n# best {knob}: "
+              + ", ".join(f"{c} {b}" for c, b in summary["per_case"].items())
+              + f"; over all cases (geometric mean of time/best): {label(best)} ("
+              + ", ".join(f"{k} {v:.3f}" for k, v in summary["score"].items()) + ")",
+              flush=True)
     return summary
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cases", default="resnet50,small", help="comma-separated: %(default)s")
+    p.add_argument("--cases", default="resnet50,small,large", help="comma-separated: %(default)s")
     p.add_argument("--thresholds", default="1M,4M,16M,64M,128M",
                    help="fusion thresholds to sweep, comma-separated; '' for none")
+    p.add_argument("--chunks", default="1M,2M,4M,8M,64M",
+                   help="chunk sizes to sweep, comma-separated; '' for none")
+    p.add_argument("--cycles", default="0,0.5,2",
+                   help="cycle times (ms) to sweep, comma-separated; '' for none")
     p.add_argument("--iters", type=int, default=20, help="most passes in a batch")
     p.add_argument("--target-ms", type=float, default=300, help="about this long a batch")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batches", type=int, default=5, help="median of this many batches")
     p.add_argument("--small-count", type=int, default=1000)
     p.add_argument("--small-bytes", type=parse_bytes, default=4096)
+    p.add_argument("--large-bytes", type=parse_bytes, default=64 * MiB)
     p.add_argument("--scale", type=float, default=1.0, help="ResNet-50 tensor sizes x this")
     p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
     p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
     args = p.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    thresholds = [parse_bytes(x) for x in args.thresholds.split(",") if x.strip()]
-    if (set(args.cases) - {"resnet50", "small"} or not args.cases or args.batches < 1
-            or args.iters < 1 or args.scale <= 0 or min(thresholds, default=1) < 1):
-        p.error("need --cases from resnet50,small, --batches >= 1, --iters >= 1, "
-                "--scale > 0, thresholds >= 1")
+    sweeps = {knob: [SWEEPS[knob][1](x) for x in text.split(",") if x.strip()]
+              for knob, text in (("fusion_threshold", args.thresholds),
+                                 ("chunk_bytes", args.chunks), ("cycle_time_ms", args.cycles))}
+    if (set(args.cases) - {"resnet50", "small", "large"} or not args.cases or args.batches < 1
+            or args.iters < 1 or args.scale <= 0 or args.large_bytes < 4
+            or min(sweeps["fusion_threshold"] + sweeps["chunk_bytes"], default=1) < 1
+            or min(sweeps["cycle_time_ms"], default=0) < 0):
+        p.error("need --cases from resnet50,small,large, --batches >= 1, --iters >= 1, "
+                "--scale > 0, --large-bytes >= 4, thresholds and chunks >= 1, cycles >= 0")
 
     global torch, dist
     torch, dist, note = setup_gloo(args.no_gloo)
     impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:3]
     pycoll.init()
     t0 = time.perf_counter()
-    default = pycoll.config.get("fusion_threshold")
+    defaults = {knob: pycoll.config.get(knob) for knob in SWEEPS}
     mach, memcpy = machine(torch), memcpy_gbps()
     if comm.rank == 0:
         print(machine_line("fusion", mach) + ", float32, op sum\n" + memcpy_line(memcpy)
-              + f"\n# fusion threshold in use: {human_bytes(default)}"
+              + "\n# in use: " + ", ".join(f"{k} {SWEEPS[k][0](v)}" for k, v in defaults.items())
               + (f"\n# note: {note}" if note else ""), flush=True)
 
     cases = make_cases(args)
@@ -362,17 +392,21 @@ def main(argv=None) -> int:
 
     ok = True
     if args.check:
-        for T in [default] + [T for T in thresholds if T != default]:
-            set_threshold(T)
-            for case in cases:
-                ok &= check(case)
-        set_threshold(default)
+        for case in cases:
+            ok &= check(case)
+        for knob, values in sweeps.items():
+            for v in values:
+                set_knob(knob, v)
+                for case in cases:
+                    ok &= check(case)
+            set_knob(knob, defaults[knob])
 
     rows, ratios = [], {}
     for case in cases:
         ratios[case.name] = bench_case(case, impls, args, rows)
     peak_main = peak_rss_mib()
-    best = sweep(cases, thresholds, args, rows, default) if thresholds else None
+    best = {knob: sweep(cases, knob, values, args, rows)
+            for knob, values in sweeps.items() if values}
     peak_end = peak_rss_mib()
     elapsed = time.perf_counter() - t0
 
@@ -381,10 +415,11 @@ def main(argv=None) -> int:
                            peak_rss_mib=peak_end, peak_reset=peak_reset), root=0)
     if comm.rank == 0:
         data = sum(c.nbytes for c in cases) * 2 / MiB     # per-tensor arrays + flat copies
-        print(f"\n# memory per rank (MiB; fusion threshold in use {human_bytes(default)}, "
-              f"swept up to {human_bytes(max(thresholds, default=default))}; benchmark data "
-              f"{data:.0f}): rss before pycoll, + pycoll's first fused pass, peak after the "
-              f"default-threshold runs, peak RSS at the end (ru_maxrss"
+        print(f"\n# memory per rank (MiB; pycoll's staging buffer is one chunk, "
+              f"{human_bytes(defaults['chunk_bytes'])}, swept up to "
+              f"{human_bytes(max(sweeps['chunk_bytes'], default=defaults['chunk_bytes']))}; "
+              f"benchmark data {data:.0f}): rss before pycoll, + pycoll's first fused pass, "
+              f"peak after the runs at the defaults, peak RSS at the end (ru_maxrss"
               + (", reset after the memcpy probe and set-up)" if all(m["peak_reset"] for m in mem)
                  else ", including the memcpy probe's 128 MiB on rank 0)"))
         for m in mem:
@@ -396,8 +431,8 @@ def main(argv=None) -> int:
         if args.json:
             meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,
                         impls=list(impls), note=note, args=vars(args), elapsed_s=elapsed,
-                        fusion_threshold=default, thresholds=thresholds, ratios=ratios,
-                        best_threshold=best, memory=mem, check_ok=ok if args.check else None)
+                        defaults=defaults, sweeps=sweeps, ratios=ratios, best=best,
+                        memory=mem, check_ok=ok if args.check else None)
             write_json(args.json, meta, rows)
     teardown_gloo(dist)
     return 0 if ok else 1

@@ -77,7 +77,9 @@ def _pieces(nbytes: int, itemsize: int, chunk_bytes: int = 0):
     step = _PIECE * itemsize
     if chunk_bytes:
         step = min(step, max(itemsize, chunk_bytes // itemsize * itemsize))
-    return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
+    if nbytes <= step:
+        return ((0, nbytes),)                 # the common case, on every call's path
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
 def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:

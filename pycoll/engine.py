@@ -110,7 +110,8 @@ class Engine:
         finally:
             with self._cv:
                 self._busy = False
-                self._cv.notify_all()
+                if self._ready:             # queued meanwhile by another thread
+                    self._cv.notify_all()
 
     def flush(self) -> None:
         """Send the open batch now (what waiting on any of its Works does)."""

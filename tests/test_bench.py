@@ -101,19 +101,23 @@ def test_plot(small_sweep):
 
 @pytest.fixture(scope="module")
 def fusion_run(tmp_path_factory):
-    """bench/fusion.py at 2 ranks, shrunk (ResNet-50 list x 1/100, 50 x 4 KiB), --check at
-    thresholds that split the lists (4 KiB: every tensor alone) or not; (stdout, JSON)."""
+    """bench/fusion.py at 2 ranks, shrunk (ResNet-50 list x 1/100, 50 x 4 KiB, 256 KiB),
+    --check at thresholds that split the lists (4 KiB: every tensor alone) or not, chunks
+    that cut tensors and cycle times; (stdout, JSON)."""
     out = tmp_path_factory.mktemp("fusion") / "fusion.json"
     stdout = run_bench(FUSION, "--scale", "0.01", "--small-count", "50", "--iters", "2",
                        "--batches", "2", "--warmup", "1", "--target-ms", "5",
-                       "--thresholds", "4K,64K,16M", "--check", "--json", out)
+                       "--large-bytes", "256K", "--thresholds", "4K,64K,16M",
+                       "--chunks", "1000,16M", "--cycles", "0,1", "--check", "--json", out)
     return stdout, json.loads(out.read_text())
 
 
 def test_fusion_output(fusion_run):
     stdout, _ = fusion_run
     assert stdout.startswith("# pycoll") and "# memcpy: " in stdout
-    assert "# fusion threshold in use: " in stdout and "# best threshold: " in stdout
+    assert "# in use: fusion_threshold " in stdout
+    for knob in ("fusion_threshold", "chunk_bytes", "cycle_time_ms"):
+        assert f"# best {knob}: " in stdout
     assert "pycoll/mpi4py-concat" in stdout and "mpi4py-per-tensor/pycoll" in stdout
     assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
 
@@ -125,7 +129,7 @@ def test_fusion_json(fusion_run):
     assert [m["rank"] for m in meta["memory"]] == [0, 1]
     assert all(m["peak_rss_mib"] > 0 for m in meta["memory"])
     main = {(r["case"], r["impl"]) for r in rows if r["section"] == "main"}
-    assert main == {(c, i) for c in ("resnet50", "small")
+    assert main == {(c, i) for c in ("resnet50", "small", "large")
                     for i in ("pycoll", "mpi4py-concat", "mpi4py-per-tensor",
                               "gloo-per-tensor", "gloo-concat")}
     for r in rows:
@@ -134,11 +138,13 @@ def test_fusion_json(fusion_run):
     assert resnet["tensors"] == 161
     small = next(r for r in rows if r["case"] == "small")
     assert small["tensors"] == 50 and small["bytes"] == 50 * 4096
-    sweep = [r for r in rows if r["section"] == "sweep"]
-    assert sorted({r["threshold"] for r in sweep}) == [4096, 65536, 16 << 20]
+    sweep = [r for r in rows if r["section"] == "sweep" and r["knob"] == "fusion_threshold"]
+    assert sorted({r["value"] for r in sweep}) == [4096, 65536, 16 << 20]
+    assert {(r["knob"], r["value"]) for r in rows if r["section"] == "sweep"} >= {
+        ("chunk_bytes", 1000), ("chunk_bytes", 16 << 20), ("cycle_time_ms", 0), ("cycle_time_ms", 1)}
     # configure(fusion_threshold=...) takes effect: at 4 KiB every 4 KiB tensor goes alone,
     # at 16 MiB the whole list is one batch.
-    batches = {(r["case"], r["threshold"]): r["mpi_batches"] for r in sweep}
+    batches = {(r["case"], r["value"]): r["mpi_batches"] for r in sweep}
     assert batches["small", 4096] == 50 and batches["small", 16 << 20] == 1
     assert batches["resnet50", 4096] > batches["resnet50", 65536] > batches["resnet50", 16 << 20]
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pycoll.ps import policy as pol
+from pycoll.ps import wire
 from pycoll.ps.layout import plan
 from pycoll.ps.optim import SGD, Shard
 
@@ -65,6 +66,34 @@ def test_fluentps_pauses_more_the_further_ahead_and_never_past_the_bound():
         assert all(sync.clocks[0] - n <= 4 for n in needs)           # the SSP bound
     assert paused[0] == paused[1] == paused[2] == 0
     assert 0 < paused[3] < paused[4] < 1 and paused[5] == paused[6] == 1
+
+
+def test_payload_pieces_cover_every_byte_once_and_never_cut_an_element():
+    nbytes, itemsizes = [10, 3 * 1024 + 4, 6, 0, 3, 8], [2, 4, 2, 8, 1, 8]
+    plan = wire.pieces(nbytes, itemsizes, limit=1024)
+    assert all(sum(hi - lo for _, lo, hi in m) <= 1024 for m in plan)
+    covered = [[] for _ in nbytes]
+    for message in plan:
+        for key, lo, hi in message:
+            assert lo % itemsizes[key] == 0 and hi % itemsizes[key] == 0 and lo < hi
+            covered[key].append((lo, hi))
+    for key, spans in enumerate(covered):                  # in order, no gap, no overlap
+        starts = [0] + [hi for _, hi in spans]
+        assert [lo for lo, _ in spans] == starts[:-1] and starts[-1] == nbytes[key]
+    assert wire.pieces([6, 6], [2, 4], limit=8) == [[(0, 0, 6)], [(1, 0, 6)]]   # 4 B left: no room
+
+
+def test_server_sgd_applied_piece_by_piece_equals_whole():
+    sgd = SGD(lr=0.1, momentum=0.9, weight_decay=0.01)
+    whole, pieces = Shard("float32", 10, 0, 10), Shard("float32", 10, 0, 10)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        g = rng.standard_normal(10).astype(np.float32)
+        whole.apply(g.copy(), sgd)
+        pieces.apply(g[:4].copy(), sgd, 0)
+        pieces.apply(g[4:].copy(), sgd, 4)
+    np.testing.assert_array_equal(whole.params, pieces.params)
+    np.testing.assert_array_equal(whole.momentum, pieces.momentum)
 
 
 def test_server_sgd_matches_torch():

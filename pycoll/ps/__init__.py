@@ -72,10 +72,13 @@ _state = _State()
 
 def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] = None,
          checkpoint_dir: Optional[str] = None, checkpoint_every: float = 0.0,
-         stats: Optional[str] = None, comm=None) -> None:
+         stats: Optional[str] = None, comm=None, exit_servers: bool = True):
     """Start the parameter server on ``comm`` (default COMM_WORLD); every rank calls it.
 
-    On server ranks this serves until every worker is done, then exits the process.
+    On server ranks this serves until every worker is done, then exits the process;
+    with ``exit_servers=False`` it returns the server's counters instead, so the program
+    goes on there too (a benchmark that alternates the PS with raw MPI; the workers call
+    ``shutdown()`` and ``init()`` again). Returns None on workers.
     ``policy``: "bsp", "asp", "ssp:S", "fluentps:S" or a Policy. ``optimizer``: an
     ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
     """
@@ -100,9 +103,11 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     if not is_worker:
         server = Server(own, own.rank - workers, workers, policy, optimizer, checkpoint_dir,
                         checkpoint_every, timeout)
-        server.serve()
+        stats = server.serve()
         own.Free()
-        sys.exit(0)          # under pycollrun (python -m mpi4py) a clean exit of this rank
+        if exit_servers:
+            sys.exit(0)      # under pycollrun (python -m mpi4py) a clean exit of this rank
+        return stats
     _state.comm, _state.workers_comm = own, workers_comm
     _state.stats_path, _state.checkpoint_dir = stats, checkpoint_dir
     _state.client = Client(own, range(workers, comm.size), own.rank, timeout)
@@ -238,6 +243,7 @@ def shutdown() -> None:
                 json.dump(dict(workers=everyone, servers=mine["servers"]), f, indent=1)
     parts = [_control(s, wire.DONE) for s in range(len(client.server_ranks))]
     client.submit("pycoll.ps shutdown", parts).wait()
+    client.close()
     _state.client = None
     atexit.unregister(shutdown)
 

@@ -28,18 +28,23 @@ class Shard:
         self.params = np.zeros(hi - lo, dtype)
         self.momentum: Optional[np.ndarray] = None
 
-    def apply(self, update: np.ndarray, sgd: Optional[SGD]) -> None:
-        """``update`` is the mean gradient (or step) of the workers' pushes; may be clobbered."""
+    def apply(self, update: np.ndarray, sgd: Optional[SGD], start: int = 0) -> None:
+        """``update`` is the mean gradient (or step) of the workers' pushes for elements
+        ``start:start + len(update)`` of the shard (updates are elementwise, so a push
+        can be applied piece by piece); ``update`` may be clobbered."""
+        params = self.params[start:start + len(update)]
         if sgd is None:
-            self.params += update
+            params += update
             return
         if sgd.weight_decay:
-            update += sgd.weight_decay * self.params
+            update += sgd.weight_decay * params
         if sgd.momentum:
-            if self.momentum is None:
-                self.momentum = update.copy()
-            else:
-                self.momentum *= sgd.momentum
-                self.momentum += update
-            update = self.momentum
-        self.params -= sgd.lr * update
+            if self.momentum is None:      # zeros: the first step's buffer is the update
+                self.momentum = np.zeros_like(self.params)
+            momentum = self.momentum[start:start + len(update)]
+            momentum *= sgd.momentum
+            momentum += update
+            np.multiply(momentum, sgd.lr, out=update)
+        else:
+            update *= sgd.lr
+        params -= update

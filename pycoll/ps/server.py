@@ -2,7 +2,9 @@
 
 One thread serves requests in arrival order. Waiting for one costs no core: MPI's
 blocking receive busy-polls, so the loop probes (``Improbe``) and, while nothing comes,
-sleeps with a back-off from 50 us to 1 ms (an idle server uses about 1% of a core).
+sleeps a fraction of the quiet spell (``wire.nap``: 50 us while requests flow, up to
+1 ms when idle). Replies are sent without waiting for the worker to take them, so one
+slow receiver never holds up the answers to the others.
 """
 import json
 import logging
@@ -21,6 +23,7 @@ from .policy import Policy, SyncState
 
 log = logging.getLogger("pycoll.ps")
 SLEEP_MIN, SLEEP_MAX = 50e-6, 1e-3
+HOUSEKEEPING_S = 0.5       # how often timeouts and periodic checkpoints are looked at
 
 
 @dataclass
@@ -31,6 +34,13 @@ class _Pull:
     need: int
     since: float
     waited: float             # seconds the worker already spent on refused attempts
+
+
+@dataclass
+class _Sending:
+    requests: list
+    buffers: tuple               # kept alive until the requests complete
+    lent: Optional[np.ndarray]   # the parameters array a reply reads in place, if any
 
 
 class Server:
@@ -48,7 +58,9 @@ class Server:
         self.stats = dict(server=index, policy=policy.name, pushes=0, pulls=0,
                           delayed_pulls=0, delay_s=0.0, bytes_in=0, bytes_out=0,
                           updates=0, checkpoints=0, resumed=False)
-        self.scratch = np.empty(0, np.uint8)
+        self.scratch = np.empty(wire.PIECE, np.uint8)      # one payload piece
+        self.sending: List[_Sending] = []                    # replies still in flight
+        self.quiet_since = time.monotonic()          # the last request or reply taken
         self.last_checkpoint = self.last_housekeeping = time.monotonic()
         if checkpoint_dir:
             self._load()
@@ -56,28 +68,31 @@ class Server:
     # ------------------------------------------------------------ main loop
     def serve(self) -> dict:
         """Serve until every worker has said it is done; the server's statistics."""
-        sleep, status = SLEEP_MIN, MPI.Status()
+        status = MPI.Status()
         while any(self.sync.active):
-            message = self.comm.improbe(MPI.ANY_SOURCE, wire.REQUEST, status)
-            if message is None or time.monotonic() - self.last_housekeeping > 1.0:
+            now = time.monotonic()
+            if now - self.last_housekeeping > HOUSEKEEPING_S:
                 self._housekeeping()
+            message = self.comm.improbe(MPI.ANY_SOURCE, wire.REQUEST, status)
             if message is None:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, SLEEP_MAX)
+                self._retire()
+                wire.nap(now - self.quiet_since, SLEEP_MIN, SLEEP_MAX)
                 continue
-            sleep = SLEEP_MIN
             op, request, keys, extra = message.recv()
             worker = status.Get_source()
             try:
                 getattr(self, "_on_" + op)(worker, request, keys, extra)
             except _ClientError as err:
                 self._reply(worker, request, wire.ERROR, str(err).encode())
+            self.quiet_since = time.monotonic()
         if self.checkpoint_dir:
             self.checkpoint()
+        self._drain()
         return self.stats_dict()
 
     def _housekeeping(self) -> None:
         now = self.last_housekeeping = time.monotonic()
+        self._retire()
         if self.checkpoint_dir and self.checkpoint_every and \
                 now - self.last_checkpoint >= self.checkpoint_every:
             self.checkpoint()
@@ -93,8 +108,13 @@ class Server:
     # ------------------------------------------------------------ requests
     def _on_init(self, worker, request, keys, specs):
         """``specs``: [(key, dtype, total count, lo, hi)] in payload order."""
-        payload = self._receive(worker, sum((hi - lo) * np.dtype(dt).itemsize
-                                            for _, dt, _, lo, hi in specs))
+        itemsizes = [np.dtype(dt).itemsize for _, dt, _, _, _ in specs]
+        sizes = [(hi - lo) * size for (_, _, _, lo, hi), size in zip(specs, itemsizes)]
+        payload, offset = np.empty(sum(sizes), np.uint8), 0      # rare: whole, then check
+        for segments in wire.pieces(sizes, itemsizes):
+            nbytes = sum(hi - lo for _, lo, hi in segments)
+            self._receive(worker, payload[offset:offset + nbytes])
+            offset += nbytes
         offset, fresh = 0, []
         for name, dtype, count, lo, hi in specs:
             nbytes = (hi - lo) * np.dtype(dtype).itemsize
@@ -116,25 +136,34 @@ class Server:
         self._reply(worker, request, wire.OK)
 
     def _on_push(self, worker, request, keys, _extra):
+        """Each payload piece is scaled and applied (or added to its BSP round) as it
+        arrives, while it is in cache."""
         shards = self._shards(keys, worker, "push")
-        payload = self._receive(worker, sum(s.params.nbytes for s in shards))
         self.stats["pushes"] += 1
         self.sync.clocks[worker] += 1
         scale = 1.0 / self.workers
-        offset = 0
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
-        for name, shard in zip(keys, shards):
-            part = payload[offset:offset + shard.params.nbytes].view(shard.dtype)
-            offset += shard.params.nbytes
-            if round_sums is None:
-                update = part * scale if scale != 1.0 else part
-                shard.apply(update, self.sgd)
-                self.stats["updates"] += 1
-            elif name in round_sums:
-                round_sums[name] += part * scale
-            else:
-                round_sums[name] = part * scale
+        sizes = [s.params.nbytes for s in shards]
+        for segments in wire.pieces(sizes, [s.params.itemsize for s in shards]):
+            piece = self._receive(worker, self.scratch[:sum(hi - lo for _, lo, hi in segments)])
+            offset = 0
+            for index, lo, hi in segments:
+                shard, name = shards[index], keys[index]
+                values = piece[offset:offset + hi - lo].view(shard.dtype)
+                start = lo // shard.params.itemsize
+                offset += hi - lo
+                if scale != 1.0:
+                    values *= scale
+                if round_sums is None:
+                    self._apply(shard, values, start)
+                else:
+                    total = round_sums.get(name)
+                    if total is None:
+                        total = round_sums[name] = np.zeros_like(shard.params)
+                    total[start:start + len(values)] += values
+        if round_sums is None:
+            self.stats["updates"] += len(shards)
         self._advance()
 
     def _on_pull(self, worker, request, keys, waited):
@@ -175,19 +204,27 @@ class Server:
                                f"key {err.args[0]!r}, which it does not hold; call "
                                "pycoll.ps.init_params with every key on every worker first") from None
 
-    def _receive(self, worker: int, nbytes: int) -> np.ndarray:
+    def _receive(self, worker: int, into: np.ndarray) -> np.ndarray:
+        """The next payload piece from ``worker``, which must fill ``into`` exactly."""
         status = MPI.Status()
         self.comm.Probe(worker, wire.PAYLOAD, status)
         got = status.Get_count(MPI.BYTE)
-        if self.scratch.nbytes < got:
-            self.scratch = np.empty(got, np.uint8)
-        self.comm.Recv([self.scratch, got, MPI.BYTE], worker, wire.PAYLOAD)
+        if got != into.nbytes:
+            self.comm.Recv([np.empty(got, np.uint8), got, MPI.BYTE], worker, wire.PAYLOAD)
+            raise _ClientError(f"pycoll.ps server {self.index}: worker {worker} sent a piece of "
+                               f"{got} bytes where its keys hold {into.nbytes}; every worker "
+                               "must declare the same shapes and dtypes")
+        self.comm.Recv([into, got, MPI.BYTE], worker, wire.PAYLOAD)
         self.stats["bytes_in"] += got
-        if got != nbytes:
-            raise _ClientError(f"pycoll.ps server {self.index}: worker {worker} sent {got} bytes "
-                               f"where its keys hold {nbytes}; every worker must declare the "
-                               "same shapes and dtypes")
-        return self.scratch[:got]
+        return into
+
+    def _apply(self, shard: Shard, update: np.ndarray, start: int = 0) -> None:
+        """Copy on write: a reply still sending the shard's parameters keeps the old array
+        and the shard goes on with a copy, so replies never wait and never copy up front."""
+        self._retire()
+        if any(s.lent is shard.params for s in self.sending):
+            shard.params = shard.params.copy()
+        shard.apply(update, self.sgd, start)
 
     def _advance(self) -> None:
         """Apply completed BSP rounds, then answer the buffered pulls that may go."""
@@ -195,7 +232,7 @@ class Server:
         while self.policy.rounds and self.applied_round < low and self.rounds:
             self.applied_round += 1
             for name, total in self.rounds.pop(self.applied_round, {}).items():
-                self.shards[name].apply(total, self.sgd)
+                self._apply(self.shards[name], total)
                 self.stats["updates"] += 1
         waiting = set()
         for pull in list(self.pending):
@@ -208,29 +245,50 @@ class Server:
     def _answer(self, pull: _Pull) -> None:
         shards = [self.shards[k] for k in pull.keys]
         self.stats["delay_s"] += time.monotonic() - pull.since + pull.waited
-        if len(shards) == 1:
-            data = shards[0].params.view(np.uint8)
-        else:
-            nbytes = sum(s.params.nbytes for s in shards)
-            if self.scratch.nbytes < nbytes:
-                self.scratch = np.empty(nbytes, np.uint8)
-            data, offset = self.scratch[:nbytes], 0
-            for s in shards:
-                data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
-                offset += s.params.nbytes
+        if len(shards) == 1:               # straight from the parameters (see _apply)
+            self._reply(pull.worker, pull.request, wire.OK, shards[0].params.view(np.uint8),
+                        lent=shards[0].params)
+            return
+        data, offset = np.empty(sum(s.params.nbytes for s in shards), np.uint8), 0
+        for s in shards:
+            data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
+            offset += s.params.nbytes
         self._reply(pull.worker, pull.request, wire.OK, data)
 
-    def _reply(self, worker, request, status, data=b"", laggard=-1) -> None:
+    def _reply(self, worker, request, status, data=b"", laggard=-1, lent=None) -> None:
+        """Send a reply without waiting for the worker to take it: the worker's thread
+        completes it when it next polls. ``lent``: parameters the reply reads."""
         meta_tag, data_tag, text_tag = wire.reply_tags(request)
         if isinstance(data, bytes):
             data, data_tag = np.frombuffer(data, np.uint8), text_tag
         clock = self.sync.clocks[worker]
         low = min(self.sync.min_clock, max(self.sync.clocks))
-        self.comm.Send(wire.meta(status, clock, low, data.nbytes, laggard), worker, meta_tag)
+        meta = wire.meta(status, clock, low, data.nbytes, laggard)
+        requests = [self.comm.Isend(meta, worker, meta_tag)]
         if data.nbytes:
-            # Blocking send straight from the parameters: nothing changes them meanwhile.
-            self.comm.Send([data, data.nbytes, MPI.BYTE], worker, data_tag)
+            requests.append(self.comm.Isend([data, data.nbytes, MPI.BYTE], worker, data_tag))
             self.stats["bytes_out"] += data.nbytes
+        self.sending.append(_Sending(requests, (meta, data), lent))
+
+    def _retire(self) -> None:
+        """Forget the replies that are complete. A worker that has just taken one is
+        likely to send its next request soon: that ends the quiet spell too."""
+        if self.sending:
+            left = [s for s in self.sending if not MPI.Request.Testall(s.requests)]
+            if len(left) < len(self.sending):
+                self.quiet_since = time.monotonic()
+            self.sending = left
+
+    def _drain(self) -> None:
+        """Before exiting: let in-flight replies finish (a worker that gave up on one
+        never takes it, hence the limit)."""
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        while self.sending and time.monotonic() < deadline:
+            self._retire()
+            time.sleep(SLEEP_MIN)
+        if self.sending:
+            log.warning("pycoll.ps server %d: %d replies were never taken by their workers",
+                        self.index, len(self.sending))
 
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:

@@ -5,8 +5,9 @@ Every push, pull or control request becomes one part per server it touches. The
 issued, so requests to different servers overlap, and completes the request's ``Work``
 when all of its parts are done. Payloads go straight from and to the caller's tensors
 when a server holds one contiguous range of them; otherwise they are packed or unpacked
-with ``pycoll._C`` (GIL released). The thread polls MPI with a short sleep back-off
-while requests are in flight and sleeps on a condition variable when none are.
+with ``pycoll._C`` (GIL released). The thread polls MPI while requests are in flight,
+napping a fraction of the quiet spell between polls (``wire.nap``), and sleeps on a
+condition variable when none are.
 """
 import collections
 import threading
@@ -44,11 +45,11 @@ class _Part:
     """One request to one server."""
 
     def __init__(self, server: int, op: str, keys: list, extra=None, payload=None,
-                 reply: bool = False, into=None):
+                 reply: bool = False, into=None, pieces=()):
         self.server, self.op, self.keys, self.extra = server, op, keys, extra
-        self.payload = payload          # bytes-like sent after the header, or None
-        self.nbytes = 0 if payload is None else (
-            payload.nbytes if isinstance(payload, np.ndarray) else len(payload))
+        self.payload = payload          # uint8 array sent after the header, or None
+        self.pieces = pieces            # (first, end) bytes of each payload message
+        self.nbytes = 0 if payload is None else payload.nbytes
         self.reply = reply              # whether the server answers
         self.into = into                # pull: uint8 memory the parameters land in
         self.receive = None             # pull: the receive into ``into``, posted at send
@@ -85,6 +86,7 @@ class Client:
         self.keys: Dict[str, Key] = {}
         self._new: collections.deque = collections.deque()
         self._cv = threading.Condition()
+        self._closed = False
         self._next_id = 0
         self._thread = threading.Thread(target=self._loop, name="pycoll-ps", daemon=True)
         self._thread.start()
@@ -126,13 +128,20 @@ class Client:
                 continue
             spans = _spans(where, items)
             if len(spans) == 1:
-                payload = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
+                payload = np.frombuffer(MPI.buffer.fromaddress(*spans[0]), np.uint8)
             else:
                 payload = np.empty(sum(n for _, n in spans), np.uint8)
                 _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
             if op == wire.INIT:
                 extra = [(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items]
-            parts.append(_Part(server, op, [k.name for k, _ in items], extra, payload, reply))
+            plan = wire.pieces([n for _, n in spans], [k.itemsize for k, _ in items])
+            bounds, offset = [], 0
+            for segments in plan:
+                end = offset + sum(hi - lo for _, lo, hi in segments)
+                bounds.append((offset, end))
+                offset = end
+            parts.append(_Part(server, op, [k.name for k, _ in items], extra, payload, reply,
+                               pieces=bounds))
         return parts
 
     def pull_parts(self, keys: List[Key], bufs):
@@ -165,13 +174,21 @@ class Client:
             self._cv.notify()
         return work
 
+    def close(self) -> None:
+        """End the thread once the requests submitted so far are done."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
     # ------------------------------------------------------------ the thread
     def _loop(self) -> None:
         active: List[_Op] = []
-        sleep = SLEEP_MIN
+        quiet_since = time.monotonic()
         while True:
             with self._cv:
                 while not self._new and not active:
+                    if self._closed:
+                        return
                     self._cv.wait()
                 fresh = list(self._new)
                 self._new.clear()
@@ -194,14 +211,13 @@ class Client:
                 if done:
                     active.remove(op)
                     op.work._finish(result)
-            if not moved and any(p.big and p.stage in ("sent", "data")
-                                 for op in active for p in op.parts):
+            now = time.monotonic()
+            if moved:
+                quiet_since = now
+            elif any(p.big and p.stage in ("sent", "data") for op in active for p in op.parts):
                 time.sleep(0)
-            elif not moved:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, SLEEP_MAX)
             else:
-                sleep = SLEEP_MIN
+                wire.nap(now - quiet_since, SLEEP_MIN, SLEEP_MAX)
 
     def _send(self, part: _Part) -> None:
         dest = self.server_ranks[part.server]
@@ -216,7 +232,8 @@ class Client:
         header = (part.op, part.request_id, part.keys, waited)
         part.requests = [self.comm.isend(header, dest, wire.REQUEST)]
         if part.payload is not None:
-            part.requests.append(self.comm.Isend([part.payload, MPI.BYTE], dest, wire.PAYLOAD))
+            part.requests += [self.comm.Isend([part.payload[lo:hi], MPI.BYTE], dest, wire.PAYLOAD)
+                              for lo, hi in part.pieces]
             self.counters["bytes_sent"] += part.nbytes
         if part.reply:
             part.requests.append(self.comm.Irecv([part.meta, MPI.INT64_T], dest, meta_tag))

@@ -48,9 +48,11 @@ class Engine:
     process, whatever thread issued them; fused operations run together at the
     place of the first of them. MPI matches collectives by their order on each
     communicator, so every rank must issue them in the same order, as with MPI
-    itself. Batches run on one background thread; a blocking call made while
-    nothing is pending runs in the caller's thread, saving a thread switch. MPI and
-    the compiled kernels release the GIL, so the caller keeps computing meanwhile.
+    itself. A batch whose ranks agree on only a prefix runs the rest at once, ahead
+    of everything issued after it. Batches run on one background thread; a blocking
+    call made while nothing is pending runs in the caller's thread, saving a thread
+    switch. MPI and the compiled kernels release the GIL, so the caller keeps
+    computing meanwhile.
     """
 
     def __init__(self, on_stuck: Callable[[str], None]):

@@ -221,11 +221,33 @@ def _train(model, optimizer, xs, ys, rank, size, passes=1):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.fixture(params=[True, False], ids=["overlap", "after-backward"])
+def overlap(request, monkeypatch):
+    """Both ways gradients travel: from the hooks while backward runs, and from step()
+    (what ranks without a spare core do), whatever this machine's cores say."""
+    monkeypatch.setattr(hvd.api, "overlap_pays", lambda tensor: request.param)
+    return request.param
+
+
+def test_overlap_needs_a_spare_core_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(hvd.api, "local_size", lambda: 2)
+    monkeypatch.setattr(hvd.api.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(hvd.api.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert hvd.api.overlap_pays(torch.ones(2))                  # 8 cores each, 2 threads
+    monkeypatch.setattr(hvd.api.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert not hvd.api.overlap_pays(torch.ones(2))              # bound to 2 cores
+    monkeypatch.setattr(hvd.api.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(hvd.api, "local_size", lambda: 16)
+    assert not hvd.api.overlap_pays(torch.ones(2))              # unbound, 1 core's share
+    assert hvd.api.overlap_pays(torch.ones(2, device="meta"))   # compute off the CPU
+
+
 @pytest.mark.parametrize("options", [
     {}, {"groups": 2}, {"backward_passes_per_step": 2}, {"gradient_predivide_factor": 2.0},
     {"bucket": 1}, {"named": True},
 ], ids=lambda o: ",".join(o) or "default")
-def test_distributed_optimizer_matches_one_process(options, monkeypatch):
+def test_distributed_optimizer_matches_one_process(options, overlap, monkeypatch):
     r, n = hvd.rank(), hvd.size()
     options = dict(options)
     if options.pop("bucket", None):

@@ -84,7 +84,15 @@ def test_all_reduce(groups, dtype, op):
     assert_same(*both(groups, run))
 
 
-def test_all_reduce_avg_and_async_future(groups):
+@pytest.fixture(params=[True, False], ids=["overlap", "blocking"])
+def overlap(request, monkeypatch):
+    """Both ways allreduces run: async on the engine's thread, and blocking in the caller's
+    (what ranks without a spare core do), whatever this machine's cores say."""
+    monkeypatch.setattr(pycoll.torch.api, "overlap_pays", lambda tensor: request.param)
+    return request.param
+
+
+def test_all_reduce_avg_and_async_future(groups, overlap):
     ours, gloo, rank, size = groups
     x = values(rank)
     work = dist.all_reduce(x, op=dist.ReduceOp.AVG, group=ours, async_op=True)
@@ -96,7 +104,7 @@ def test_all_reduce_avg_and_async_future(groups):
     torch.testing.assert_close(result, total / size)
 
 
-def test_all_reduce_coalesced(groups):
+def test_all_reduce_coalesced(groups, overlap):
     rank = groups[2]
 
     def run(g):
@@ -247,7 +255,7 @@ def _train(model, xs, ys, rank, size):
         optimizer.step()
 
 
-def test_ddp_replicas_identical_and_equal_to_one_process(groups):
+def test_ddp_replicas_identical_and_equal_to_one_process(groups, overlap):
     ours, _, rank, size = groups
     torch.manual_seed(100 + rank)                  # DDP must broadcast rank 0's weights
     model = _model() if rank == 0 else torch.nn.Sequential(

@@ -9,6 +9,9 @@ small completion step queued behind it: the engine runs operations in issue orde
 when the step runs the operation is done, and the step copies results into torch's
 output tensors and completes the ``torch.futures.Future`` that ``get_future()`` returns
 (the one DDP waits on) on the engine thread, without another thread switch.
+Allreduces of CPU tensors on a rank with no core to spare for overlap
+(``api.overlap_pays``) run blocking in the caller's thread instead, and return a
+completed Work: there the engine's thread would only time-slice with DDP's backward.
 
 Collectives pycoll has no primitive for are built from one that moves no more data
 than needed: ``scatter`` is an alltoall in which only the root sends; ``reduce`` and
@@ -30,6 +33,8 @@ import torch.distributed as dist
 import pycoll
 from pycoll import runtime
 from pycoll.tensors import as_buffer
+
+from . import api
 
 BACKEND = "pycoll"
 _LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
@@ -55,25 +60,27 @@ def _seconds(timeout) -> Optional[float]:
 
 
 class PycollWork(dist.Work):
-    """A torch Work over the engine's completion step: ``wait(timeout)`` raises the
-    operation's error or ``pycoll.CollectiveTimeout``; ``get_future()`` is what DDP uses."""
+    """A torch Work over the engine's completion step (``done``; None once the
+    operation has completed): ``wait(timeout)`` raises the operation's error or
+    ``pycoll.CollectiveTimeout``; ``get_future()`` is what DDP uses."""
 
-    def __init__(self, future: torch.futures.Future, done: pycoll.Work):
+    def __init__(self, future: torch.futures.Future, done: Optional[pycoll.Work]):
         super().__init__()
         self._future, self._done = future, done
 
     def wait(self, timeout=None) -> bool:
-        self._done.wait(_seconds(timeout))
+        if self._done is not None:
+            self._done.wait(_seconds(timeout))
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_completed()
+        return self._done is None or self._done.is_completed()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._done.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self):
-        return self._done.exception()
+        return None if self._done is None else self._done.exception()
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -96,6 +103,13 @@ def _complete(works: Sequence[pycoll.Work], finish: Callable[[list], object], na
         future.set_result(value)
         return value
     return PycollWork(future, runtime.engine().submit(step, name))
+
+
+def _completed(value) -> PycollWork:
+    """The Work of an operation that has run already, with ``value`` as its result."""
+    future = torch.futures.Future()
+    future.set_result(value)
+    return PycollWork(future, None)
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -139,9 +153,13 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        work = pycoll.grouped_allreduce_async_(list(tensors), op=op, group=self.group,
+        tensors = list(tensors)
+        if tensors and not api.overlap_pays(tensors[0]):
+            pycoll.grouped_allreduce_(tensors, op=op, group=self.group, name="torch.allreduce")
+            return _completed(tensors)
+        work = pycoll.grouped_allreduce_async_(tensors, op=op, group=self.group,
                                                name="torch.allreduce")
-        return _complete([work], lambda _: list(tensors), "torch.allreduce")
+        return _complete([work], lambda _: tensors, "torch.allreduce")
 
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")

@@ -7,6 +7,10 @@ allreduces fuse in pycoll's engine, which sends a batch as soon as it holds
 computes the rest, and a gradient of that size or more travels alone, without a copy
 (hooks fire in the same order on every rank, so every rank makes the same batches).
 ``step()`` waits for the rest, then steps.
+
+Overlap needs a core to overlap on: where a CPU rank has none to spare
+(``api.overlap_pays``), the hooks only note the gradients, and ``step()`` issues their
+allreduces, in the same order and so in the same batches, while backward is over.
 """
 import contextlib
 from typing import Dict, List, Optional
@@ -39,6 +43,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay: Dict[torch.Tensor, int] = {p: self._passes for p in params}
         self._handles: Dict[torch.Tensor, tuple] = {}       # param -> (handle, context)
         self._ready: Dict[int, List[torch.Tensor]] = {}      # group index -> params ready
+        self._deferred: List[torch.Tensor] = []              # ready, to submit at synchronize
         self._synchronized = False
         self._should_synchronize = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
@@ -53,7 +58,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "gradients locally over several backward passes")
         self._delay[p] -= 1
         if self._delay[p] == 0:
-            self._submit(p)
+            if api.overlap_pays(p.grad):
+                self._submit(p)
+            else:
+                self._handles[p] = None          # counted as submitted; synchronize() submits
+                self._deferred.append(p)
 
     def _submit(self, p: torch.Tensor) -> None:
         group = self._groups.get(p)
@@ -85,6 +94,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce; gradients that were never computed (unused
         parameters) are reduced as zeros, in parameter order, so all ranks agree."""
+        deferred, self._deferred = self._deferred, []
+        for p in deferred:
+            del self._handles[p]
+            self._submit(p)
         for p in self._params:
             if p not in self._handles or self._handles[p] is None:
                 if p.grad is None:

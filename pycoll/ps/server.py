@@ -50,7 +50,6 @@ class Server:
         self.policy, self.sgd, self.timeout = policy, sgd, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.sync = SyncState([0] * workers, active=[True] * workers)
-        self.sync.rng.seed(index)
         self.shards: Dict[str, Shard] = {}
         self.rounds: Dict[int, Dict[str, np.ndarray]] = {}     # BSP: clock -> key -> sum
         self.applied_round = 0

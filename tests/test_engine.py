@@ -135,6 +135,19 @@ def test_thousand_small_tensors_make_few_calls(group, threshold, fused_calls):
         np.testing.assert_allclose(x, np.mean([r + i % 5 for r in range(size)]), rtol=1e-6)
 
 
+def test_large_tensors_skip_the_fusion_buffer(group, threshold, fused_calls):
+    """Tensors of 256 KiB or more go to MPI by themselves, however the batch is cut."""
+    arg, rank, size = group
+    threshold(64 * 2**20)
+    counts = [100, 70_000, 3, 5, 2**16, 9]                 # 2**16 float32: 256 KiB exactly
+    xs = [np.full(n, rank + i, np.float32) for i, n in enumerate(counts)]
+    for w in [pycoll.allreduce_async_(x, op=pycoll.Sum, group=arg) for x in xs]:
+        w.wait()
+    assert fused_calls == [4]
+    for i, x in enumerate(xs):
+        np.testing.assert_array_equal(x, sum(r + i for r in range(size)))
+
+
 def test_grouped_allreduce_respects_the_threshold(group, threshold, fused_calls):
     arg, rank, size = group
     threshold(4096)

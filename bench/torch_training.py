@@ -10,6 +10,11 @@ Modes (each rank trains on its own batch, gradients averaged over the ranks):
   hvd          pycoll.torch.DistributedOptimizer: allreduces start from gradient hooks
   fused-after  backward, then one fused grouped_allreduce_ of every gradient (no overlap)
   naive        backward, then a blocking allreduce_ per gradient (no overlap, no fusion)
+Every mode gets the same model, data, bucket size and threads (torch.set_num_threads(1):
+ranks share the cores). DDP runs with gradient_as_bucket_view (--no-bucket-view to
+turn it off) on both backends: torch's advice for speed, and it drops two copies of
+every gradient that are the same work whatever the backend, so the ratio shows the
+backends rather than DDP's copies.
 Rounds run the modes in turn so machine noise hits all of them alike; a mode's time in
 a round is the slowest rank's mean step; the table gives the median over rounds.
 """
@@ -47,7 +52,7 @@ def make_step(mode: str, args, gloo):
     if mode.startswith("ddp"):
         net = torch.nn.parallel.DistributedDataParallel(
             net, process_group=gloo if mode == "ddp-gloo" else None,
-            bucket_cap_mb=args.bucket_mb)
+            bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
     optimizer = torch.optim.SGD(params, lr=1e-3)
     if mode == "hvd":
         optimizer = hvd.DistributedOptimizer(optimizer)
@@ -73,6 +78,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--bucket-mb", type=float, default=4.0,
                         help="DDP's bucket_cap_mb (compare with PYCOLL_FUSION_THRESHOLD)")
+    parser.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=True,
+                        help="DDP's gradient_as_bucket_view, for both backends: it saves two "
+                             "copies of every gradient that are the same work whatever the backend")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
 

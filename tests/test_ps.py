@@ -1,6 +1,7 @@
 """pycoll.ps: layout and policies in-process; whole jobs (servers + workers) through
 pycollrun at several counts, each a few seconds (tests/ps_job.py holds the jobs)."""
 import os
+import random
 import re
 import subprocess
 import sys
@@ -55,19 +56,43 @@ def test_policies_decide_when_pulls_wait():
         pol.make("bsp:2")
 
 
-def test_fluentps_pauses_only_past_the_bound_and_releases_with_room():
-    fluent, ssp = pol.FluentPS(3), pol.SSP(3)
-    for lead in range(0, 7):
-        sync = pol.SyncState([10 + lead, 10], [True, True])
-        need = fluent.wait_for(sync, 0)
-        assert sync.clocks[0] - need <= 3                            # never past the SSP bound
-        paused = need > sync.min_clock
-        assert paused == (ssp.wait_for(sync, 0) > sync.min_clock) == (lead > 3)
-        if paused:                                                   # released at lead 2, not 3
-            assert sync.clocks[0] - need == 2
+def test_fluentps_pause_probability_grows_with_the_lead():
+    fluent = pol.FluentPS(3)
+    chances = [fluent.pause_probability(lead) for lead in range(0, 7)]
+    assert chances[0] == 0 and chances[4:] == [1.0, 1.0, 1.0]          # past the bound: always
+    assert all(a < b for a, b in zip(chances[:5], chances[1:5]))       # strictly growing to it
+    assert 0 < chances[3] < 0.5                                         # below it: by chance
+    for lead, chance in [(2, chances[2]), (3, chances[3])]:            # the draws follow it
+        sync = pol.SyncState([10 + lead, 10], [True, True], rng=random.Random(1))
+        paused = sum(fluent.wait_for(sync, 0) > sync.min_clock for _ in range(20000))
+        assert abs(paused / 20000 - chance) < 0.02, (lead, paused)
+    gentle, steep = pol.FluentPS(3, sharpness=2), pol.FluentPS(3, sharpness=16)
+    assert steep.pause_probability(3) < fluent.pause_probability(3) < gentle.pause_probability(3)
+
+
+def test_fluentps_never_passes_the_bound_and_is_reproducible():
+    for s in (1, 2, 3):
+        fluent, ssp = pol.FluentPS(s, sharpness=1), pol.SSP(s)
+        for lead in range(0, 2 * s + 3):
+            sync = pol.SyncState([10 + lead, 10, 11], [True, True, True],
+                                 rng=random.Random(lead))
+            for _ in range(200):
+                need = fluent.wait_for(sync, 0)
+                assert sync.clocks[0] - need <= s                       # never past the bound
+                if ssp.wait_for(sync, 0) > sync.min_clock:              # SSP waits: so does it,
+                    assert need > sync.min_clock and sync.clocks[0] - need == s - 1   # with room
+                elif need > sync.min_clock:                             # a chance pause: the
+                    assert need == max(sync.min_clock + 1, sync.clocks[0] - s + 1)  # slowest +1
+    runs = []
+    for seed in (4, 4, 5):                                              # same seed, same pauses
+        sync = pol.SyncState([13, 10], [True, True], rng=random.Random(seed))
+        runs.append([pol.FluentPS(3).wait_for(sync, 0) for _ in range(200)])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
     sync = pol.SyncState([5, 4], [True, True])
-    assert pol.FluentPS(0).wait_for(sync, 0) == 5                    # s = 0: plain BSP-like wait
-    assert fluent.buffers and not ssp.buffers
+    assert pol.FluentPS(0).wait_for(sync, 0) == 5                       # s = 0: BSP-like wait
+    assert pol.FluentPS(3).buffers and not pol.SSP(3).buffers
+    with pytest.raises(ValueError, match="sharpness"):
+        pol.FluentPS(3, sharpness=0)
 
 
 def test_payload_pieces_cover_every_byte_once_and_never_cut_an_element():

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import random
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -49,7 +50,7 @@ class Server:
         self.comm, self.index, self.workers = comm, index, workers
         self.policy, self.sgd, self.timeout = policy, sgd, timeout
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
-        self.sync = SyncState([0] * workers, active=[True] * workers)
+        self.sync = SyncState([0] * workers, active=[True] * workers, rng=random.Random(index))
         self.shards: Dict[str, Shard] = {}
         self.rounds: Dict[int, Dict[str, np.ndarray]] = {}     # BSP: clock -> key -> sum
         self.applied_round = 0

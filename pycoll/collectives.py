@@ -77,9 +77,7 @@ def _pieces(nbytes: int, itemsize: int, chunk_bytes: int = 0):
     step = _PIECE * itemsize
     if chunk_bytes:
         step = min(step, max(itemsize, chunk_bytes // itemsize * itemsize))
-    if nbytes <= step:
-        return ((0, nbytes),)                 # the common case, on every call's path
-    return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
 
 
 def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:
@@ -153,7 +151,10 @@ def _allreduce_one(item: _Allreduce):
         _reduce_staged([item])
         return item.out
     mpi_op, itemsize = _mpi_op(item.op, src.dtype), tensors.ITEMSIZE[src.dtype]
-    for offset, nbytes in _pieces(dst.nbytes, itemsize, config.get("chunk_bytes")):
+    chunk = config.get("chunk_bytes")
+    pieces = (((0, dst.nbytes),) if dst.nbytes <= min(chunk, _PIECE)      # the usual case
+              else _pieces(dst.nbytes, itemsize, chunk))
+    for offset, nbytes in pieces:
         send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
         grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
         if item.op is Average:

@@ -62,7 +62,10 @@ class Engine:
         self._ready: collections.deque = collections.deque()
         self._open: Optional[_Batch] = None       # fusable batch still taking items
         self._busy = False
-        self._cv = threading.Condition()
+        # ``with self._lock`` is the C lock itself; the Condition's own __enter__ is a
+        # Python call, and this lock is taken on every collective's path.
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
         self._fusion = np.empty(0, np.uint8)
 
@@ -72,7 +75,7 @@ class Engine:
         batch = _Batch(lambda items: [thunk()])
         work = Work(name, self.flush, batch.done)
         batch.works.append(work)
-        with self._cv:
+        with self._lock:
             self._close_open()
             self._enqueue(batch)
         return work
@@ -83,7 +86,7 @@ class Engine:
         which returns one result for each item, or for a prefix of them: the engine
         then runs the rest as the next batch."""
         threshold = config.get("fusion_threshold")
-        with self._cv:
+        with self._lock:
             batch = self._open
             if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
                 self._close_open()
@@ -102,7 +105,7 @@ class Engine:
         """Run ``thunk`` after everything issued before it; its result."""
         if threading.current_thread() is self._thread:
             return thunk()      # called back from a running batch: waiting would deadlock
-        with self._cv:
+        with self._lock:
             inline = not self._ready and not self._busy and self._open is None
             self._busy = self._busy or inline
         if not inline:
@@ -110,14 +113,14 @@ class Engine:
         try:
             return self._execute(thunk, name)
         finally:
-            with self._cv:
+            with self._lock:
                 self._busy = False
                 if self._ready:             # queued meanwhile by another thread
                     self._cv.notify_all()
 
     def flush(self) -> None:
         """Send the open batch now (what waiting on any of its Works does)."""
-        with self._cv:
+        with self._lock:
             self._close_open()
 
     def fusion_buffer(self, nbytes: int) -> np.ndarray:
@@ -188,7 +191,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while True:
                     left = self._close_if_cycle_over()
                     if self._ready and not self._busy:
@@ -200,7 +203,7 @@ class Engine:
                 results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
                 if len(results) < len(batch.items):     # the ranks agreed on a prefix
                     rest = batch.split(len(results))
-                    with self._cv:
+                    with self._lock:
                         self._ready.appendleft(rest)
                 for work, result in zip(batch.works, results):
                     work._finish(result, signal=False)
@@ -209,6 +212,6 @@ class Engine:
                     work._finish(error=error, signal=False)
             finally:
                 batch.done.set()
-                with self._cv:
+                with self._lock:
                     self._busy = False
                     self._cv.notify_all()

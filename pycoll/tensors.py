@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
+from . import _C
+
 DTYPES = ("float16", "bfloat16", "float32", "float64",
           "int8", "int16", "int32", "int64", "uint8")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
@@ -82,10 +84,12 @@ def _not_contiguous(x) -> ValueError:
 
 def _from_numpy(a: np.ndarray) -> Buffer:
     name = _NUMPY_DTYPES.get(a.dtype) or _check_dtype(a.dtype.name, a)
-    if not a.flags.c_contiguous:
-        raise _not_contiguous(a)
-    return Buffer(a.__array_interface__["data"][0], a.nbytes, name, a.shape, "cpu", 0,
-                  not a.flags.writeable, a)
+    found = _C.address(a)
+    if found is None:                   # not C-contiguous, or a dtype PEP 3118 cannot name
+        if not a.flags.c_contiguous:
+            raise _not_contiguous(a)
+        found = a.__array_interface__["data"][0], not a.flags.writeable
+    return Buffer(found[0], a.nbytes, name, a.shape, "cpu", 0, found[1], a)
 
 
 def _from_torch(t) -> Buffer:
@@ -231,7 +235,6 @@ class _DLTensor(ctypes.Structure):
 
 def copy_device(dst: int, src: int, nbytes: int) -> None:
     """Copy ``nbytes`` between host and CUDA memory, either way; returns when done."""
-    from . import _C
     if _C.has_cuda():
         _C.cuda_memcpy(dst, src, nbytes)
         _C.cuda_synchronize()

@@ -123,6 +123,12 @@ class Engine:
         with self._lock:
             self._close_open()
 
+    def drain(self, timeout: float) -> bool:
+        """Wait until nothing queued or running is left (at most ``timeout`` s); the open
+        batch stays unsent, since other ranks may never issue its partners."""
+        with self._lock:
+            return self._cv.wait_for(lambda: not self._ready and not self._busy, timeout)
+
     def fusion_buffer(self, nbytes: int) -> np.ndarray:
         """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
         largest piece asked for: PYCOLL_CHUNK_BYTES at most). Batches run one at a time,

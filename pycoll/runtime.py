@@ -1,4 +1,5 @@
 """Process state: the world communicator, groups of ranks and the engine."""
+import atexit
 import logging
 from typing import Iterable, Optional
 
@@ -82,10 +83,18 @@ def init(comm=None, **options) -> None:
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine(on_stuck=_abort)
+    atexit.register(_finish_queued)
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
     log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
              _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
+
+
+def _finish_queued() -> None:
+    """At exit, before MPI is finalized: let queued collectives finish, so that the
+    engine's thread is not inside MPI or a torch callback while the process tears down."""
+    if _state.engine is not None and not _state.engine.drain(timeout=10.0):
+        logging.getLogger("pycoll").warning("pycoll: collectives still running at exit")
 
 
 def _abort(message: str) -> None:

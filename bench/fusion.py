@@ -382,8 +382,10 @@ def main(argv=None) -> int:
 
     cases = make_cases(args)
     # Memory: what pycoll's first fused pass over every case adds to the resident set
-    # (its fusion buffer and anything else), before the other implementations run. The
+    # (its staging buffer and anything else), before the other implementations run,
+    # after a 4-byte warm-up has imported its modules and started its threads. The
     # peak is reset first, so memcpy's transient 2 x 64 MiB (rank 0) does not count.
+    pycoll.allreduce_async_(np.zeros(1, np.float32)).wait()
     peak_reset = reset_peak_rss()
     rss_before = rss_mib()
     for case in cases:
@@ -418,7 +420,9 @@ def main(argv=None) -> int:
         print(f"\n# memory per rank (MiB; pycoll's staging buffer is one chunk, "
               f"{human_bytes(defaults['chunk_bytes'])}, swept up to "
               f"{human_bytes(max(sweeps['chunk_bytes'], default=defaults['chunk_bytes']))}; "
-              f"benchmark data {data:.0f}): rss before pycoll, + pycoll's first fused pass, "
+              f"benchmark data {data:.0f}; the bound is threshold + chunk = "
+              f"{(defaults['fusion_threshold'] + defaults['chunk_bytes']) / MiB:g}): rss before "
+              f"pycoll, + pycoll's first fused pass (after a 4-byte warm-up), "
               f"peak after the runs at the defaults, peak RSS at the end (ru_maxrss"
               + (", reset after the memcpy probe and set-up)" if all(m["peak_reset"] for m in mem)
                  else ", including the memcpy probe's 128 MiB on rank 0)"))

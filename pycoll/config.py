@@ -52,17 +52,19 @@ class Knob:
 KNOBS = {k.name: k for k in (
     Knob("timeout", 300.0, float,
          "seconds a blocking call or Work.wait() waits before raising CollectiveTimeout"),
-    # 4 MiB: the fastest for ResNet-50's gradients at 2 and 4 ranks in bench/fusion.py's
-    # sweep (1 to 128 MiB), and small enough that batches leave while backward runs.
+    # 4 MiB: small enough that batches leave while backward runs. bench/fusion.py's sweep
+    # (1 to 128 MiB), which issues every tensor before waiting, favours 128 MiB by 10-13%.
     Knob("fusion_threshold", 4 * 2**20, int,
          "bytes: allreduces issued one after another are fused into batches up to this size"),
-    # 4 MiB: bench/collectives.py's chunk sweep; a 64 MiB allreduce in 2-8 MiB pieces ran
-    # 2-2.5x faster than in one MPI call at 2 and 4 ranks (the pieces stay in cache).
+    # 4 MiB: bench/fusion.py's chunk sweep (1-64 MiB), best over all cases at 4 ranks and
+    # within 3% of 2 MiB at 2; a 64 MiB allreduce in 4 MiB pieces ran 2-3x faster than
+    # in one MPI call (the pieces stay in cache).
     Knob("chunk_bytes", 4 * 2**20, int,
          "bytes: an allreduce larger than this (one tensor or a fused batch) travels in pieces "
          "of this size, each packed, reduced and unpacked while it is in cache; also the most "
          "host memory that staging GPU tensors takes"),
-    # 0 by bench/fusion.py's cycle sweep: with deterministic cuts no negotiation is needed.
+    # 0: bench/fusion.py's cycle sweep found 0, 0.5 and 2 ms within noise of each other,
+    # and without a cycle batches are cut alike on every rank with no negotiation round.
     Knob("cycle_time_ms", 0.0, float,
          "milliseconds: a fused batch still filling is sent once it is this old, ranks agreeing "
          "on its contents by one small allreduce (Horovod's cycle); 0: batches are cut only at "

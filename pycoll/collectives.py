@@ -109,6 +109,19 @@ def _staged(buf: Buffer, read: bool, write: bool):
         tensors.copy_device(buf.ptr, staging.ctypes.data, buf.nbytes)
 
 
+def _scale(buf: Buffer, ptr: int, count: int, factor: float) -> None:
+    """Average's division of ``count`` elements of ``buf`` at ``ptr``, where MPI left
+    them: on the host, or on the GPU when a CUDA-aware MPI worked on GPU memory."""
+    if buf.device == "cpu" or not config.get("cuda_aware_mpi"):
+        _C.scale(ptr, count, buf.dtype, factor)
+        return
+    if not _C.has_cuda():
+        raise RuntimeError("Average of GPU tensors with PYCOLL_CUDA_AWARE_MPI=1 needs pycoll "
+                           "built with its CUDA kernels (PYCOLL_WITH_CUDA=1 pip install pycoll)")
+    _C.cuda_scale(ptr, count, buf.dtype, factor)
+    _C.cuda_synchronize()
+
+
 def _same_kind(inputs: Sequence[Buffer]) -> None:
     devices = {(b.device, b.device_id) for b in inputs}
     if len(devices) > 1:
@@ -158,7 +171,7 @@ def _allreduce_one(item: _Allreduce):
         send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
         grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
         if item.op is Average:
-            _C.scale(dst.ptr + offset, nbytes // itemsize, dst.dtype, 1.0 / grp.size())
+            _scale(dst, dst.ptr + offset, nbytes // itemsize, 1.0 / grp.size())
     return item.out
 
 
@@ -351,7 +364,7 @@ def _plan_reduce_scatter(x, op, group, name):
                                     _msg(d, dst.nbytes, dst.dtype), counts,
                                     _mpi_op(op, src.dtype))
             if op is Average:
-                _C.scale(d, dst.count, dst.dtype, 1.0 / grp.size())
+                _scale(dst, d, dst.count, 1.0 / grp.size())
         return out
     return name, run
 

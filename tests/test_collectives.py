@@ -8,7 +8,7 @@ import pytest
 
 import fakegpu
 import pycoll
-from pycoll import tensors
+from pycoll import collectives, tensors
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")
@@ -120,6 +120,37 @@ def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatc
         w.wait()
     for x in xs:
         assert_matches(x, expected_reduce("float32", x.shape, size, op), "float32")
+
+
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_cuda_aware_mpi_gets_gpu_memory_and_averages_on_the_gpu(group, fake_device,
+                                                                monkeypatch, op):
+    """With PYCOLL_CUDA_AWARE_MPI=1 nothing is staged, and Average's division runs as a
+    CUDA kernel on the GPU memory (here a host stand-in that records its calls)."""
+    arg, rank, size = group
+    monkeypatch.setitem(pycoll.config._overrides, "cuda_aware_mpi", True)
+    from pycoll import _C
+    scaled = []
+
+    class FakeCudaCore:
+        def __getattr__(self, name):
+            return getattr(_C, name)
+
+        def has_cuda(self):
+            return True
+
+        def cuda_scale(self, ptr, count, dtype, factor):
+            scaled.append(count)
+            _C.scale(ptr, count, dtype, factor)
+
+        def cuda_synchronize(self):
+            pass
+    monkeypatch.setattr(collectives, "_C", FakeCudaCore())
+    x = make(rank_input("float32", (5, 3), rank, op), "float32", "fake_cuda")
+    y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+    assert_matches(y, expected_reduce("float32", (5, 3), size, op), "float32")
+    assert fake_device.calls == 0                      # MPI read the GPU memory itself
+    assert scaled == ([15] if op == "Average" else [])
 
 
 def test_async_work_contract(group):
@@ -273,7 +304,6 @@ def test_group_membership_and_rank_checks(pycoll_world):
 def test_counts_beyond_mpi_int_are_split_or_refused(group, monkeypatch):
     """The real limit is 2^31 elements; shrunk here so the test needs no 8 GiB."""
     arg, rank, size = group
-    from pycoll import collectives
     monkeypatch.setattr(collectives, "_PIECE", 7)
     x = np.arange(100, dtype=np.float32) + rank
     np.testing.assert_array_equal(pycoll.allreduce(x, op=pycoll.Sum, group=arg),

@@ -26,13 +26,14 @@ import hashlib
 import time
 import zlib
 from collections import Counter
+from contextlib import nullcontext
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, runtime, tensors
-from .collectives import Average, _check_reduction, _host, _mpi_op, _msg, _reduce_op
+from .collectives import Average, _check_reduction, _mpi_op, _msg, _reduce_op, _staged
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, Work
 
@@ -227,7 +228,8 @@ def _plan(x, ranks, op, name, inplace):
                    f"{dst.dtype} x {dst.count} op={op.value}")
         state.uses[members] += 1
         after = config.get("partial_cache_after")
-        with _host(dst, read=True, write=True) as d:
+        # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
+        with _staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
             if after and state.uses[members] >= after:
                 comm = _cached_comm(state, members, me, deadline, name)
                 comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, dst.dtype))

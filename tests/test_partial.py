@@ -11,7 +11,8 @@ import pytest
 
 import pycoll
 from pycoll import config, partial
-from test_collectives import DTYPES, OPS, assert_matches, np_dtype, rank_input
+import fakegpu
+from test_collectives import DTYPES, OPS, assert_matches, make, np_dtype, rank_input
 
 torch = pytest.importorskip("torch")
 
@@ -68,6 +69,20 @@ def test_large_tensor_in_place_async_and_torch(pycoll_world, path):
     torch.testing.assert_close(x, torch.arange(300_001, dtype=torch.float32) * (size * (size + 1) / 2))
     work = pycoll.partial_allreduce_async(torch.full((3,), float(rank)), ranks)
     torch.testing.assert_close(work.wait(timeout=60), torch.full((3,), (size - 1) / 2))
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_gpu_memory_is_staged_for_the_ring(pycoll_world, path, monkeypatch, cuda_aware):
+    """The ring reduces with the CPU kernels, so GPU memory goes through host memory even
+    when the MPI is CUDA-aware."""
+    monkeypatch.setitem(config._overrides, "cuda_aware_mpi", cuda_aware)
+    copies = fakegpu.CountingCopy()
+    monkeypatch.setattr(pycoll.tensors, "copy_device", copies)
+    rank, ranks = pycoll.rank(), tuple(range(pycoll.size()))
+    x = make(rank_input("float32", (7, 3), rank, "Average"), "float32", "fake_cuda")
+    y = pycoll.partial_allreduce(x, ranks, op=pycoll.Average)
+    assert_matches(y, expected("float32", (7, 3), ranks, "Average"), "float32")
+    assert copies.calls > 0
 
 
 def test_disjoint_groups_run_at_the_same_time(pycoll_world, path):

@@ -82,7 +82,7 @@ def test_gpu_memory_is_staged_for_the_ring(pycoll_world, path, monkeypatch, cuda
     x = make(rank_input("float32", (7, 3), rank, "Average"), "float32", "fake_cuda")
     y = pycoll.partial_allreduce(x, ranks, op=pycoll.Average)
     assert_matches(y, expected("float32", (7, 3), ranks, "Average"), "float32")
-    assert copies.calls > 0
+    assert (copies.calls > 0) == (len(ranks) > 1)      # a group of one moves nothing
 
 
 def test_disjoint_groups_run_at_the_same_time(pycoll_world, path):

@@ -108,6 +108,10 @@ def test_payload_pieces_cover_every_byte_once_and_never_cut_an_element():
         starts = [0] + [hi for _, hi in spans]
         assert [lo for lo, _ in spans] == starts[:-1] and starts[-1] == nbytes[key]
     assert wire.pieces([6, 6], [2, 4], limit=8) == [[(0, 0, 6)], [(1, 0, 6)]]   # 4 B left: no room
+    edges = wire.bounds(plan)                             # the messages tile the payload
+    assert edges[0][0] == 0 and edges[-1][1] == sum(nbytes)
+    assert all(a[1] == b[0] for a, b in zip(edges, edges[1:]))
+    assert wire.bounds([[(0, 0, 6)], [(1, 2, 6), (2, 0, 3)]]) == [(0, 6), (6, 13)]
 
 
 def test_server_sgd_applied_piece_by_piece_equals_whole():

@@ -31,9 +31,9 @@ Design
   workers at c. ASP: never waits. SSP(s): waits for all at c - s; like a PS without
   request buffering, the server refuses a pull that must wait and the worker polls
   again. FluentPS(s): the same bound, but a pull that must wait is buffered and
-  answered the moment it may be (no polling), and a paused worker is released with one
-  clock of room (slowest within s - 1), so it stops about half as often. R²SP and SaPS
-  plug in as policies.
+  answered the moment it may be (no polling); a worker L clocks ahead of the slowest is
+  paused with probability (L/(s+1))^8, always past the bound, and released with room
+  (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
   pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
 - Checkpoints: with ``checkpoint_dir``, servers save parameters, momentum and clocks on

@@ -110,11 +110,9 @@ class Server:
         """``specs``: [(key, dtype, total count, lo, hi)] in payload order."""
         itemsizes = [np.dtype(dt).itemsize for _, dt, _, _, _ in specs]
         sizes = [(hi - lo) * size for (_, _, _, lo, hi), size in zip(specs, itemsizes)]
-        payload, offset = np.empty(sum(sizes), np.uint8), 0      # rare: whole, then check
-        for segments in wire.pieces(sizes, itemsizes):
-            nbytes = sum(hi - lo for _, lo, hi in segments)
-            self._receive(worker, payload[offset:offset + nbytes])
-            offset += nbytes
+        payload = np.empty(sum(sizes), np.uint8)                 # rare: whole, then check
+        for first, end in wire.bounds(wire.pieces(sizes, itemsizes)):
+            self._receive(worker, payload[first:end])
         offset, fresh = 0, []
         for name, dtype, count, lo, hi in specs:
             nbytes = (hi - lo) * np.dtype(dtype).itemsize
@@ -145,8 +143,9 @@ class Server:
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
         sizes = [s.params.nbytes for s in shards]
-        for segments in wire.pieces(sizes, [s.params.itemsize for s in shards]):
-            piece = self._receive(worker, self.scratch[:sum(hi - lo for _, lo, hi in segments)])
+        messages = wire.pieces(sizes, [s.params.itemsize for s in shards])
+        for segments, (first, end) in zip(messages, wire.bounds(messages)):
+            piece = self._receive(worker, self.scratch[:end - first])
             offset = 0
             for index, lo, hi in segments:
                 shard, name = shards[index], keys[index]

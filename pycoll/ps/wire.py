@@ -64,3 +64,13 @@ def pieces(nbytes: Sequence[int], itemsizes: Sequence[int],
     if current:
         messages.append(current)
     return messages
+
+
+def bounds(messages: List[List[Tuple[int, int, int]]]) -> List[Tuple[int, int]]:
+    """The (first, end) bytes of each of ``pieces``' messages within the payload."""
+    out, offset = [], 0
+    for segments in messages:
+        end = offset + sum(hi - lo for _, lo, hi in segments)
+        out.append((offset, end))
+        offset = end
+    return out

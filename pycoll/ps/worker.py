@@ -134,14 +134,10 @@ class Client:
                 _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
             if op == wire.INIT:
                 extra = [(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items]
-            plan = wire.pieces([n for _, n in spans], [k.itemsize for k, _ in items])
-            bounds, offset = [], 0
-            for segments in plan:
-                end = offset + sum(hi - lo for _, lo, hi in segments)
-                bounds.append((offset, end))
-                offset = end
+            pieces = wire.bounds(wire.pieces([n for _, n in spans],
+                                             [k.itemsize for k, _ in items]))
             parts.append(_Part(server, op, [k.name for k, _ in items], extra, payload, reply,
-                               pieces=bounds))
+                               pieces=pieces))
         return parts
 
     def pull_parts(self, keys: List[Key], bufs):

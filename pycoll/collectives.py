@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, runtime, tensors
-from .tensors import Buffer, as_buffer
+from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
 
@@ -88,8 +88,10 @@ def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:
 
 def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
     """An mpi4py message spec for raw memory."""
-    return [MPI.buffer.fromaddress(ptr, nbytes), nbytes // tensors.ITEMSIZE[dtype],
-            _MPI_TYPES[dtype]]
+    return [_from_address(ptr, nbytes), nbytes // ITEMSIZE[dtype], _MPI_TYPES[dtype]]
+
+
+_from_address = MPI.buffer.fromaddress
 
 
 def _host(buf: Buffer, read: bool = True, write: bool = False):
@@ -147,30 +149,37 @@ class _Allreduce(NamedTuple):
 
 
 def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
-    op, grp = _reduce_op(op), runtime.resolve(group)
+    return _planned_item(x, _reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
+
+
+def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _Allreduce:
     src = as_buffer(x, writable=inplace)
     _check_reduction(op, src)
-    out = x if inplace else tensors.empty_like(x, src.shape)
-    return _Allreduce(src, src if inplace else as_buffer(out, writable=True), out, op, grp,
-                      name or "allreduce")
+    if inplace:
+        return _Allreduce(src, src, x, op, grp, name)
+    out = tensors.empty_like(x, src.shape)
+    return _Allreduce(src, as_buffer(out, writable=True), out, op, grp, name)
 
 
 def _allreduce_one(item: _Allreduce):
     """In MPI's hands directly, no copy, in pieces of PYCOLL_CHUNK_BYTES: each is reduced
     and scaled while it is in cache. CUDA memory without a CUDA-aware MPI is staged."""
-    src, dst, grp = item.src, item.dst, item.grp
-    grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=item.op.value)
+    src, dst, grp, op = item.src, item.dst, item.grp, item.op
+    if config.get("check"):         # before building agree()'s arguments: this is hot
+        grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=op.value)
     if not _direct(src):
         _reduce_staged([item])
         return item.out
-    mpi_op, itemsize = _mpi_op(item.op, src.dtype), tensors.ITEMSIZE[src.dtype]
+    mpi_op, mpi_type, itemsize = _mpi_op(op, src.dtype), _MPI_TYPES[src.dtype], ITEMSIZE[src.dtype]
     chunk = config.get("chunk_bytes")
-    pieces = (((0, dst.nbytes),) if dst.nbytes <= min(chunk, _PIECE)      # the usual case
+    pieces = (((0, dst.nbytes),) if dst.nbytes <= chunk and dst.nbytes <= _PIECE  # usual case
               else _pieces(dst.nbytes, itemsize, chunk))
     for offset, nbytes in pieces:
-        send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
-        grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
-        if item.op is Average:
+        recv = [_from_address(dst.ptr + offset, nbytes), nbytes // itemsize, mpi_type]
+        send = (MPI.IN_PLACE if src.ptr == dst.ptr else
+                [_from_address(src.ptr + offset, nbytes), nbytes // itemsize, mpi_type])
+        grp.comm.Allreduce(send, recv, mpi_op)
+        if op is Average:
             _scale(dst, dst.ptr + offset, nbytes // itemsize, 1.0 / grp.size())
     return item.out
 
@@ -178,9 +187,10 @@ def _allreduce_one(item: _Allreduce):
 def _allreduce_fused(items: List[_Allreduce]) -> None:
     """One reduction for many same-key tensors."""
     first = items[0]
-    first.grp.agree("fused allreduce", f"{first.name} and {len(items) - 1} more",
-                    dtype=first.src.dtype, op=first.op.value,
-                    shapes=[(it.name, it.src.shape) for it in items])
+    if config.get("check"):         # before building agree()'s arguments: this is hot
+        first.grp.agree("fused allreduce", f"{first.name} and {len(items) - 1} more",
+                        dtype=first.src.dtype, op=first.op.value,
+                        shapes=[(it.name, it.src.shape) for it in items])
     _reduce_staged(items)
 
 
@@ -190,7 +200,7 @@ def _reduce_staged(items: List[_Allreduce]) -> None:
     Allreduce, unpack (+ Average's scale, or scale and copy back to the GPU). Each piece
     stays in cache from pack to unpack, and the buffer is one piece long."""
     first = items[0]
-    dtype, grp, itemsize = first.src.dtype, first.grp, tensors.ITEMSIZE[first.src.dtype]
+    dtype, grp, itemsize = first.src.dtype, first.grp, ITEMSIZE[first.src.dtype]
     sizes = [it.src.nbytes for it in items]
     srcs, dsts = [it.src.ptr for it in items], [it.dst.ptr for it in items]
     on_host = first.src.device == "cpu"          # a batch shares one device (its key)
@@ -269,15 +279,15 @@ def _allreduce_queued(items: List[_Allreduce]) -> list:
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
-    name = name or "grouped_allreduce"
-    items = [_allreduce_item(x, op, group, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
+    name, op, grp = name or "grouped_allreduce", _reduce_op(op), runtime.resolve(group)
+    items = [_planned_item(x, op, grp, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
     _same_kind([it.src for it in items])
-    by_key: dict = {}
+    by_dtype: dict = {}
     for item in items:
-        by_key.setdefault(item.key, []).append(item)
+        by_dtype.setdefault(item.src.dtype, []).append(item)
 
     def run():
-        for same in by_key.values():
+        for same in by_dtype.values():
             _allreduce_batch(same)
         return [item.out for item in items]
     return name, run
@@ -298,7 +308,7 @@ def _plan_allgather(x, group, name):
                              f"first; rank: (rows, other dims, dtype) = {dict(enumerate(meta))}")
         out = tensors.empty_like(x, (sum(m[0] for m in meta),) + row_shape)
         dst = as_buffer(out, writable=True)
-        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * ITEMSIZE[src.dtype]
         counts = [m[0] * row_bytes for m in meta]
         _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
@@ -385,7 +395,7 @@ def _plan_alltoall(x, splits, group, name):
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {list(np.asarray(splits).reshape(-1))}")
     row_shape = tuple(src.shape[1:])
-    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * tensors.ITEMSIZE[src.dtype]
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * ITEMSIZE[src.dtype]
 
     name = name or "alltoall"
 

@@ -66,7 +66,7 @@ class Engine:
         # Python call, and this lock is taken on every collective's path.
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
-        self._thread: Optional[threading.Thread] = None
+        self._thread_id: Optional[int] = None     # the engine thread's, once started
         self._fusion = np.empty(0, np.uint8)
 
     # ------------------------------------------------------------ issuing
@@ -103,7 +103,7 @@ class Engine:
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:
         """Run ``thunk`` after everything issued before it; its result."""
-        if threading.current_thread() is self._thread:
+        if threading.get_ident() == self._thread_id:
             return thunk()      # called back from a running batch: waiting would deadlock
         with self._lock:
             inline = not self._ready and not self._busy and self._open is None
@@ -148,9 +148,10 @@ class Engine:
         self._wake()
 
     def _wake(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
-            self._thread.start()
+        if self._thread_id is None:
+            thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
+            thread.start()
+            self._thread_id = thread.ident
         self._cv.notify_all()
 
     def _close_if_cycle_over(self) -> Optional[float]:
@@ -212,7 +213,7 @@ class Engine:
                     with self._lock:
                         self._ready.appendleft(rest)
                 for work, result in zip(batch.works, results):
-                    work._finish(result, signal=False)
+                    work._result = result           # batch.done, set below, signals them all
             except BaseException as error:      # delivered to whoever waits on the Works
                 for work in batch.works:
                     work._finish(error=error, signal=False)

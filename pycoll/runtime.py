@@ -129,8 +129,7 @@ def world() -> Group:
 
 
 def engine() -> Engine:
-    world()
-    return _state.engine
+    return _state.engine or world() and _state.engine   # world() raises if uninitialized
 
 
 def rank() -> int:
@@ -181,7 +180,7 @@ def new_group(ranks: Iterable[int]) -> Group:
 def resolve(group) -> Group:
     """``group=`` as users pass it: None (world), a Group or an mpi4py communicator."""
     if group is None:
-        return world()
+        return _state.world or world()                 # world() raises if uninitialized
     if isinstance(group, Group):
         if not group.is_member:
             raise ValueError(f"rank {world().rank()} is not a member of {group}; "

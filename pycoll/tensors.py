@@ -8,7 +8,7 @@ the owner alive.
 import ctypes
 import math
 import sys
-from typing import Any, NamedTuple, Tuple
+from typing import Any, Callable, NamedTuple, Tuple
 
 import numpy as np
 
@@ -94,10 +94,7 @@ def _from_numpy(a: np.ndarray) -> Buffer:
 
 def _from_torch(t) -> Buffer:
     """torch's own accessors: the same facts as its DLPack export, several times faster."""
-    name = _TORCH_DTYPES.get(t.dtype)
-    if name is None:
-        name = _check_dtype(str(t.dtype).replace("torch.", ""), t)
-        _TORCH_DTYPES[t.dtype] = name
+    name = _TORCH_DTYPES.get(t.dtype) or _torch_dtype(t)
     if not t.is_contiguous():
         raise _not_contiguous(t)
     if t.is_cpu:
@@ -108,6 +105,11 @@ def _from_torch(t) -> Buffer:
                         "Move it with .cpu() or .cuda().")
     return Buffer(t.data_ptr(), t.nbytes, name, tuple(t.shape), "cuda", device.index or 0,
                   False, t)
+
+
+def _torch_dtype(t) -> str:
+    name = _TORCH_DTYPES[t.dtype] = _check_dtype(str(t.dtype).replace("torch.", ""), t)
+    return name
 
 
 _TORCH_DTYPES: dict = {}
@@ -166,24 +168,41 @@ def _cuda_device_of(x) -> int:
 
 def as_buffer(x, writable: bool = False) -> Buffer:
     """Describe ``x``'s memory; ``writable`` for in-place operations and outputs."""
-    if isinstance(x, np.ndarray):
-        buf = _from_numpy(x)
-    elif type(x).__module__.startswith("torch"):
-        buf = _from_torch(x)
-    elif _has_buffer_protocol(x):
-        buf = _from_numpy(np.asarray(memoryview(x)))
-    elif hasattr(x, "__dlpack__"):
-        buf = _from_dlpack(x)
-    elif hasattr(x, "__cuda_array_interface__"):
-        buf = _from_cuda_array_interface(x)
-    else:
-        raise TypeError(f"pycoll cannot read a {_describe(x)}: pass a numpy array, a torch "
-                        "tensor, a cupy array or any object with the buffer protocol, "
-                        "DLPack or __cuda_array_interface__")
+    reader = _READERS.get(type(x)) or _reader(x)
+    buf = reader(x)
     if writable and buf.readonly:
         raise ValueError(f"this {_describe(x)} is read-only and the operation writes into it; "
                          "use the out-of-place form or pass a writable copy")
     return buf
+
+
+def _from_buffer_protocol(x) -> Buffer:
+    return _from_numpy(np.asarray(memoryview(x)))
+
+
+def _reader(x) -> Callable[[Any], Buffer]:
+    """How to read objects of ``x``'s type, remembered by type: this choice sits on every
+    collective's path."""
+    if isinstance(x, np.ndarray):
+        reader = _from_numpy
+    elif type(x).__module__.startswith("torch"):
+        reader = _from_torch
+    elif _has_buffer_protocol(x):
+        reader = _from_buffer_protocol
+    elif hasattr(x, "__dlpack__"):
+        reader = _from_dlpack
+    elif hasattr(x, "__cuda_array_interface__"):
+        reader = _from_cuda_array_interface
+    else:
+        raise TypeError(f"pycoll cannot read a {_describe(x)}: pass a numpy array, a torch "
+                        "tensor, a cupy array or any object with the buffer protocol, "
+                        "DLPack or __cuda_array_interface__")
+    if reader is not _from_buffer_protocol:     # whether a buffer exports can depend on it
+        _READERS[type(x)] = reader
+    return reader
+
+
+_READERS: dict = {}
 
 
 def _has_buffer_protocol(x) -> bool:

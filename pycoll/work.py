@@ -20,6 +20,8 @@ class Work:
     engine moves this Work to a later batch.
     """
 
+    __slots__ = ("name", "_on_wait", "_done", "_result", "_error", "__dict__")
+
     def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None,
                  done: Optional[threading.Event] = None):
         self.name = name
@@ -46,6 +48,11 @@ class Work:
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done (at most ``timeout`` s, default PYCOLL_TIMEOUT); the result."""
+        done = self._done
+        if done.is_set() and done is self._done:    # the usual case after a fused batch
+            if self._error is not None:
+                raise self._error
+            return self._result
         self._on_wait()
         timeout = config.get("timeout") if timeout is None else timeout
         deadline = time.monotonic() + timeout

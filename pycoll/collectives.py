@@ -8,7 +8,7 @@ CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
 import enum
 from contextlib import contextmanager, nullcontext
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -60,9 +60,9 @@ def _mpi_op(op: ReduceOp, dtype: str):
     return _half_ops[dtype, kernel_op]
 
 
-def _check_reduction(op: ReduceOp, buf: Buffer) -> None:
-    if op is Average and buf.dtype not in tensors.FLOATS:
-        raise TypeError(f"Average of {buf.dtype} tensors would truncate; use op=pycoll.Sum "
+def _check_reduction(op: ReduceOp, dtype: str) -> None:
+    if op is Average and dtype not in tensors.FLOATS:
+        raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
                         "and divide, or cast to a float dtype")
 
 
@@ -154,7 +154,7 @@ def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
 
 def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _Allreduce:
     src = as_buffer(x, writable=inplace)
-    _check_reduction(op, src)
+    _check_reduction(op, src.dtype)
     if inplace:
         return _Allreduce(src, src, x, op, grp, name)
     out = tensors.empty_like(x, src.shape)
@@ -168,7 +168,7 @@ def _allreduce_one(item: _Allreduce):
     if config.get("check"):         # before building agree()'s arguments: this is hot
         grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=op.value)
     if not _direct(src):
-        _reduce_staged([item])
+        _reduce_staged(_Many.of([item]), [0])
         return item.out
     mpi_op, mpi_type, itemsize = _mpi_op(op, src.dtype), _MPI_TYPES[src.dtype], ITEMSIZE[src.dtype]
     chunk = config.get("chunk_bytes")
@@ -184,28 +184,50 @@ def _allreduce_one(item: _Allreduce):
     return item.out
 
 
-def _allreduce_fused(items: List[_Allreduce]) -> None:
-    """One reduction for many same-key tensors."""
-    first = items[0]
+class _Many(NamedTuple):
+    """Same-key allreduces as parallel lists (addresses and byte sizes), the form packing
+    wants: a fused batch, or a grouped call read in one pass (``tensors.host_pointers``)."""
+    srcs: List[int]
+    dsts: List[int]
+    sizes: List[int]
+    dtype: str
+    device: str
+    op: ReduceOp
+    grp: runtime.Group
+    item: Callable[[int], _Allreduce]       # the i-th as an _Allreduce, to send it alone
+
+    @classmethod
+    def of(cls, items: List[_Allreduce]) -> "_Many":
+        first = items[0].src
+        return cls([it.src.ptr for it in items], [it.dst.ptr for it in items],
+                   [it.src.nbytes for it in items], first.dtype, first.device, items[0].op,
+                   items[0].grp, items.__getitem__)
+
+
+def _allreduce_fused(many: _Many, which: List[int]) -> None:
+    """One reduction for tensors ``which`` of ``many``."""
     if config.get("check"):         # before building agree()'s arguments: this is hot
-        first.grp.agree("fused allreduce", f"{first.name} and {len(items) - 1} more",
-                        dtype=first.src.dtype, op=first.op.value,
-                        shapes=[(it.name, it.src.shape) for it in items])
-    _reduce_staged(items)
+        items = [many.item(i) for i in which]
+        many.grp.agree("fused allreduce", f"{items[0].name} and {len(items) - 1} more",
+                       dtype=many.dtype, op=many.op.value,
+                       shapes=[(it.name, it.src.shape) for it in items])
+    _reduce_staged(many, which)
 
 
-def _reduce_staged(items: List[_Allreduce]) -> None:
-    """Same-key tensors seen as one stream of bytes, reduced through the engine's staging
-    buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack (or copy from the GPU), one MPI
-    Allreduce, unpack (+ Average's scale, or scale and copy back to the GPU). Each piece
-    stays in cache from pack to unpack, and the buffer is one piece long."""
-    first = items[0]
-    dtype, grp, itemsize = first.src.dtype, first.grp, ITEMSIZE[first.src.dtype]
-    sizes = [it.src.nbytes for it in items]
-    srcs, dsts = [it.src.ptr for it in items], [it.dst.ptr for it in items]
-    on_host = first.src.device == "cpu"          # a batch shares one device (its key)
-    scale = 1.0 / grp.size() if first.op is Average else 1.0
-    mpi_op, engine = _mpi_op(first.op, dtype), runtime.engine()
+def _reduce_staged(many: _Many, which: List[int]) -> None:
+    """Tensors ``which`` of ``many`` seen as one stream of bytes, reduced through the
+    engine's staging buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack (or copy from
+    the GPU), one MPI Allreduce, unpack (+ Average's scale, or scale and copy back to the
+    GPU). Each piece stays in cache from pack to unpack, and the buffer is one piece long."""
+    if len(which) == len(many.sizes):
+        srcs, dsts, sizes = many.srcs, many.dsts, many.sizes
+    else:
+        srcs, dsts = [many.srcs[i] for i in which], [many.dsts[i] for i in which]
+        sizes = [many.sizes[i] for i in which]
+    dtype, grp, itemsize = many.dtype, many.grp, ITEMSIZE[many.dtype]
+    on_host = many.device == "cpu"
+    scale = 1.0 / grp.size() if many.op is Average else 1.0
+    mpi_op, engine = _mpi_op(many.op, dtype), runtime.engine()
     for begin, nbytes in _pieces(sum(sizes), itemsize, config.get("chunk_bytes")):
         end, piece = begin + nbytes, engine.fusion_buffer(nbytes).ctypes.data
         if on_host:
@@ -240,25 +262,24 @@ def _segments(sizes: Sequence[int], begin: int, end: int):
 _ALONE_BYTES = 256 * 1024
 
 
-def _allreduce_batch(items: List[_Allreduce]) -> list:
+def _allreduce_many(many: _Many) -> None:
     """Same-key allreduces: tensors of _ALONE_BYTES or more that MPI can read go by
     themselves, without a copy; the others are packed in fusion-threshold-sized groups
-    (a group of one goes alone too). Every rank splits the list the same way. Returns
-    the outputs."""
+    (a group of one goes alone too). Every rank splits the list the same way."""
     threshold = config.get("fusion_threshold")
-    group: List[_Allreduce] = []
+    direct = many.device == "cpu" or config.get("cuda_aware_mpi")
+    group: List[int] = []
     size = 0
-    for item in items + [None]:
-        if item is not None and item.src.nbytes >= _ALONE_BYTES and _direct(item.src):
-            _allreduce_one(item)
+    for i, nbytes in enumerate(many.sizes + [None]):
+        if nbytes is not None and nbytes >= _ALONE_BYTES and direct:
+            _allreduce_one(many.item(i))
             continue
-        if group and (item is None or size + item.src.nbytes > threshold):
-            _allreduce_fused(group) if len(group) > 1 else _allreduce_one(group[0])
+        if group and (nbytes is None or size + nbytes > threshold):
+            _allreduce_fused(many, group) if len(group) > 1 else _allreduce_one(many.item(group[0]))
             group, size = [], 0
-        if item is not None:
-            group.append(item)
-            size += item.src.nbytes
-    return [item.out for item in items]
+        if nbytes is not None:
+            group.append(i)
+            size += nbytes
 
 
 def _direct(buf: Buffer) -> bool:
@@ -270,16 +291,32 @@ def _allreduce_queued(items: List[_Allreduce]) -> list:
     """A batch the engine fused. With PYCOLL_CYCLE_TIME_MS each rank cuts its batches by
     its own clock, so they may differ: the ranks send the longest prefix that all of them
     hold (one small MIN allreduce, Horovod's negotiation), and the engine queues the rest
-    first. Without a cycle, batches are cut at the same places on every rank."""
+    first. Without a cycle, batches are cut at the same places on every rank. Returns the
+    outputs of those sent."""
     if config.get("cycle_time_ms"):
         count = np.array([len(items)], np.int64)
         items[0].grp.comm.Allreduce(MPI.IN_PLACE, count, MPI.MIN)
         items = items[:int(count[0])]
-    return _allreduce_batch(items)
+    _allreduce_many(_Many.of(items))
+    return [item.out for item in items]
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
     name, op, grp = name or "grouped_allreduce", _reduce_op(op), runtime.resolve(group)
+    xs = list(xs)
+    # Many small CPU tensors are read in one pass, not one as_buffer each: per tensor,
+    # that is most of the cost (bench/fusion.py's 1,000 x 4 KiB case).
+    host = tensors.host_pointers(xs) if inplace and not config.get("check") else None
+    if host is not None:
+        ptrs, sizes, dtype = host
+        _check_reduction(op, dtype)
+        many = _Many(ptrs, ptrs, sizes, dtype, "cpu", op, grp,
+                     lambda i: _planned_item(xs[i], op, grp, f"{name}[{i}]", True))
+
+        def run_host():
+            _allreduce_many(many)
+            return list(xs)
+        return name, run_host
     items = [_planned_item(x, op, grp, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
     _same_kind([it.src for it in items])
     by_dtype: dict = {}
@@ -288,7 +325,7 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
 
     def run():
         for same in by_dtype.values():
-            _allreduce_batch(same)
+            _allreduce_many(_Many.of(same))
         return [item.out for item in items]
     return name, run
 
@@ -355,7 +392,7 @@ def _split_rows(rows: int, parts: int) -> List[int]:
 def _plan_reduce_scatter(x, op, group, name):
     op, grp = _reduce_op(op), runtime.resolve(group)
     src = as_buffer(x)
-    _check_reduction(op, src)
+    _check_reduction(op, src.dtype)
     if not src.shape:
         raise ValueError("reduce_scatter splits dim 0 across ranks; got a 0-d tensor")
     rows = _split_rows(src.shape[0], grp.size())

@@ -215,7 +215,7 @@ def _plan(x, ranks, op, name, inplace):
     me, size = runtime.rank(), runtime.size()
     members = _members(ranks, me, size)
     src = tensors.as_buffer(x, writable=inplace)
-    _check_reduction(op, src)
+    _check_reduction(op, src.dtype)
     out = x if inplace else tensors.clone(x)
     dst = src if inplace else tensors.as_buffer(out, writable=True)
 

@@ -8,7 +8,7 @@ the owner alive.
 import ctypes
 import math
 import sys
-from typing import Any, Callable, NamedTuple, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -203,6 +203,41 @@ def _reader(x) -> Callable[[Any], Buffer]:
 
 
 _READERS: dict = {}
+
+
+def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
+    """(addresses, byte sizes, dtype) of writable, contiguous CPU tensors, all of one
+    class and dtype, read in one pass: a grouped call over many small tensors spends most
+    of its time reading them one by one. None when ``xs`` is not such a list, or is of a
+    kind read only one at a time: ``as_buffer`` then reads each and says what is wrong."""
+    if not xs:
+        return None
+    kind = type(xs[0])
+    reader = _HOST_LISTS.get(_READERS.get(kind) or _reader(xs[0]))
+    if reader is None or any(type(x) is not kind for x in xs):
+        return None
+    return reader(xs)
+
+
+def _numpy_host_pointers(arrays) -> Optional[tuple]:
+    dtype = arrays[0].dtype
+    name = _NUMPY_DTYPES.get(dtype)
+    found = [_C.address(a) for a in arrays]
+    if name is None or any(f is None or f[1] for f in found) or any(a.dtype != dtype
+                                                                      for a in arrays):
+        return None
+    return [f[0] for f in found], [a.nbytes for a in arrays], name
+
+
+def _torch_host_pointers(ts) -> Optional[tuple]:
+    dtype = ts[0].dtype
+    name = _TORCH_DTYPES.get(dtype)
+    if name is None or not all(t.dtype is dtype and t.is_cpu and t.is_contiguous() for t in ts):
+        return None
+    return [t.data_ptr() for t in ts], [t.nbytes for t in ts], name
+
+
+_HOST_LISTS = {_from_numpy: _numpy_host_pointers, _from_torch: _torch_host_pointers}
 
 
 def _has_buffer_protocol(x) -> bool:

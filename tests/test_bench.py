@@ -119,6 +119,7 @@ def test_fusion_output(fusion_run):
     for knob in ("fusion_threshold", "chunk_bytes", "cycle_time_ms"):
         assert f"# best {knob}: " in stdout
     assert "pycoll/mpi4py-concat" in stdout and "mpi4py-per-tensor/pycoll" in stdout
+    assert "mpi4py-per-tensor/pycoll-grouped" in stdout
     assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
 
 
@@ -130,7 +131,7 @@ def test_fusion_json(fusion_run):
     assert all(m["peak_rss_mib"] > 0 for m in meta["memory"])
     main = {(r["case"], r["impl"]) for r in rows if r["section"] == "main"}
     assert main == {(c, i) for c in ("resnet50", "small", "large")
-                    for i in ("pycoll", "mpi4py-concat", "mpi4py-per-tensor",
+                    for i in ("pycoll", "pycoll-grouped", "mpi4py-concat", "mpi4py-per-tensor",
                               "gloo-per-tensor", "gloo-concat")}
     for r in rows:
         assert r["time_us"] > 0 and r["bytes"] > 0

@@ -177,6 +177,45 @@ def test_grouped_allreduce_mixed_dtypes(group, kind, fake_device):
         assert_matches(x, expected_reduce(d, s, size, "Sum"), d)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_grouped_allreduce_read_in_one_pass(group, kind, op, monkeypatch):
+    """Without PYCOLL_CHECK, a list of CPU tensors of one kind and dtype is read in one
+    pass (tensors.host_pointers). It must split and send exactly as the per-tensor path
+    does, since odd ranks here pass a list that the one-pass reader refuses."""
+    arg, rank, size = group
+    monkeypatch.setitem(pycoll.config._overrides, "check", False)
+    monkeypatch.setitem(pycoll.config._overrides, "fusion_threshold", 3000)
+    counts = [5, 700, 70_000, 1, 300, 0, 90_000, 2]          # two go alone (>= 256 KiB)
+    xs = [make(rank_input("float32", (n,), rank, op), "float32", kind) for n in counts]
+    if rank % 2:
+        xs[3] = make(rank_input("float32", (1,), rank, op), "float32",
+                     "torch" if kind == "numpy" else "numpy")
+        assert tensors.host_pointers(xs) is None
+    else:
+        assert tensors.host_pointers(xs) is not None
+    assert pycoll.grouped_allreduce_(xs, op=getattr(pycoll, op), group=arg) == xs
+    for x, n in zip(xs, counts):
+        assert_matches(x, expected_reduce("float32", (n,), size, op), "float32")
+
+
+def test_one_pass_reader_refuses_what_it_cannot_read():
+    a = np.zeros(4, np.float32)
+    assert tensors.host_pointers([]) is None
+    assert tensors.host_pointers([a, a.astype(np.float64)]) is None        # two dtypes
+    assert tensors.host_pointers([a, np.zeros(8, np.float32)[::2]]) is None  # strided
+    a_ro = np.zeros(4, np.float32)
+    a_ro.flags.writeable = False
+    assert tensors.host_pointers([a, a_ro]) is None
+    t = torch.zeros(4)
+    assert tensors.host_pointers([t, torch.zeros(4, 2).t()]) is None      # not contiguous
+    assert tensors.host_pointers([t, torch.zeros(4, dtype=torch.int32)]) is None
+    ptrs, sizes, dtype = tensors.host_pointers([t, torch.zeros(3)])
+    assert ptrs[0] == t.data_ptr() and sizes == [16, 12] and dtype == "float32"
+    with pytest.raises(TypeError, match="cannot read"):
+        tensors.host_pointers([object()])
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather_uneven_rows(group, kind, dtype, fake_device):

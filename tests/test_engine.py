@@ -30,9 +30,9 @@ def fused_calls(monkeypatch):
     calls = []
     real = collectives._allreduce_fused
 
-    def spy(items):
-        calls.append(len(items))
-        real(items)
+    def spy(many, which):
+        calls.append(len(which))
+        real(many, which)
     monkeypatch.setattr(collectives, "_allreduce_fused", spy)
     return calls
 

@@ -51,8 +51,9 @@ class Engine:
     itself. A batch whose ranks agree on only a prefix runs the rest at once, ahead
     of everything issued after it. Batches run on one background thread; a blocking
     call made while nothing is pending runs in the caller's thread, saving a thread
-    switch. MPI and the compiled kernels release the GIL, so the caller keeps
-    computing meanwhile.
+    switch, and so do batches that a caller waits for while the engine's thread is
+    idle. MPI and the compiled kernels release the GIL, so the caller keeps computing
+    meanwhile.
     """
 
     def __init__(self, on_stuck: Callable[[str], None]):
@@ -67,6 +68,7 @@ class Engine:
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
         self._thread_id: Optional[int] = None     # the engine thread's, once started
+        self._runner: Optional[int] = None        # the thread running a batch now
         self._fusion = np.empty(0, np.uint8)
 
     # ------------------------------------------------------------ issuing
@@ -103,7 +105,7 @@ class Engine:
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:
         """Run ``thunk`` after everything issued before it; its result."""
-        if threading.get_ident() == self._thread_id:
+        if threading.get_ident() == self._runner:
             return thunk()      # called back from a running batch: waiting would deadlock
         with self._lock:
             inline = not self._ready and not self._busy and self._open is None
@@ -118,10 +120,22 @@ class Engine:
                 if self._ready:             # queued meanwhile by another thread
                     self._cv.notify_all()
 
-    def flush(self) -> None:
-        """Send the open batch now (what waiting on any of its Works does)."""
-        with self._lock:
-            self._close_open()
+    def flush(self, until: Optional[threading.Event] = None) -> None:
+        """Send the open batch now (what asking for any of its results does). With
+        ``until``, the event a caller is about to wait for: while the engine's thread is
+        idle, run the queued batches in the caller's thread until it is set. The caller
+        would only wait, and a CPU rank with no core to spare saves two thread switches
+        (and a wait on a descheduled thread) per batch."""
+        while True:
+            with self._lock:
+                self._close_open(wake=until is None)
+                if until is None or until.is_set() or self._busy or not self._ready:
+                    if until is not None and self._ready:
+                        self._wake()        # what this thread leaves, the engine's runs
+                    return
+                batch = self._ready.popleft()
+                self._busy = True
+            self._run_batch(batch)
 
     def drain(self, timeout: float) -> bool:
         """Wait until nothing queued or running is left (at most ``timeout`` s); the open
@@ -138,14 +152,15 @@ class Engine:
         return self._fusion[:nbytes]
 
     # ------------------------------------------------------------ internals
-    def _close_open(self) -> None:
+    def _close_open(self, wake: bool = True) -> None:
         if self._open is not None:
             batch, self._open = self._open, None
-            self._enqueue(batch)
+            self._enqueue(batch, wake)
 
-    def _enqueue(self, batch: _Batch) -> None:
+    def _enqueue(self, batch: _Batch, wake: bool = True) -> None:
         self._ready.append(batch)
-        self._wake()
+        if wake:
+            self._wake()
 
     def _wake(self) -> None:
         if self._thread_id is None:
@@ -167,11 +182,11 @@ class Engine:
         return None
 
     def _execute(self, fn: Callable[[], Any], name: str) -> Any:
-        self._running = (name, time.monotonic())
+        self._running, self._runner = (name, time.monotonic()), threading.get_ident()
         try:
             return fn()
         finally:
-            self._running = None
+            self._running = self._runner = None
 
     def _watch(self) -> None:
         """The stall inspector of last resort: a blocking MPI call cannot time out, so a
@@ -206,19 +221,23 @@ class Engine:
                     self._cv.wait(left)
                 batch = self._ready.popleft()
                 self._busy = True
-            try:
-                results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
-                if len(results) < len(batch.items):     # the ranks agreed on a prefix
-                    rest = batch.split(len(results))
-                    with self._lock:
-                        self._ready.appendleft(rest)
-                for work, result in zip(batch.works, results):
-                    work._result = result           # batch.done, set below, signals them all
-            except BaseException as error:      # delivered to whoever waits on the Works
-                for work in batch.works:
-                    work._finish(error=error, signal=False)
-            finally:
-                batch.done.set()
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: _Batch) -> None:
+        """Run ``batch``, which the caller took off the queue, setting ``_busy``."""
+        try:
+            results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
+            if len(results) < len(batch.items):     # the ranks agreed on a prefix
+                rest = batch.split(len(results))
                 with self._lock:
-                    self._busy = False
-                    self._cv.notify_all()
+                    self._ready.appendleft(rest)
+            for work, result in zip(batch.works, results):
+                work._result = result           # batch.done, set below, signals them all
+        except BaseException as error:      # delivered to whoever waits on the Works
+            for work in batch.works:
+                work._finish(error=error, signal=False)
+        finally:
+            batch.done.set()
+            with self._lock:
+                self._busy = False
+                self._cv.notify_all()

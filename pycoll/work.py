@@ -15,17 +15,18 @@ class Work:
 
     ``wait(timeout)`` returns its result or raises its error; ``is_completed()`` and
     ``exception()`` never block. Each of them first calls ``on_wait`` (the engine's
-    flush: an operation whose result is asked for must be on its way). ``_done`` may
-    be shared with the Works that finish together, and replaced while unset when the
-    engine moves this Work to a later batch.
+    flush: an operation whose result is asked for must be on its way); ``wait`` passes
+    it the event it is about to wait for, which the engine may set by running the
+    operation in the waiting thread. ``_done`` may be shared with the Works that finish
+    together, and replaced while unset when the engine moves this Work to a later batch.
     """
 
     __slots__ = ("name", "_on_wait", "_done", "_result", "_error", "__dict__")
 
-    def __init__(self, name: str, on_wait: Optional[Callable[[], None]] = None,
+    def __init__(self, name: str, on_wait: Optional[Callable[..., None]] = None,
                  done: Optional[threading.Event] = None):
         self.name = name
-        self._on_wait = on_wait or (lambda: None)
+        self._on_wait = on_wait or (lambda until=None: None)
         self._done = done or threading.Event()     # shared by Works that finish together
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -53,7 +54,7 @@ class Work:
             if self._error is not None:
                 raise self._error
             return self._result
-        self._on_wait()
+        self._on_wait(done)
         timeout = config.get("timeout") if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:

@@ -231,3 +231,34 @@ def test_blocking_call_from_a_running_batch_does_not_deadlock(group):
     inner = pycoll.runtime.engine().submit(
         lambda: pycoll.allreduce(np.ones(2), op=pycoll.Sum, group=arg), "callback")
     np.testing.assert_array_equal(inner.wait(timeout=60), size)
+
+
+def test_a_waiting_caller_runs_what_the_idle_engine_holds(group):
+    """A batch nobody has sent yet runs in the thread that waits for it (no thread
+    switch), blocking calls inside it included; one the engine's thread has taken
+    finishes there."""
+    arg, rank, size = group
+    engine = pycoll.runtime.engine()
+    ran_in = []
+
+    def record(items):
+        ran_in.append(threading.get_ident())
+        return [pycoll.allreduce(x, op=pycoll.Sum, group=arg) for x in items]
+    works = [engine.submit_fusable("record", 8, np.full(2, rank + i), record, "record")
+             for i in range(3)]
+    for i, w in enumerate(works):
+        np.testing.assert_array_equal(w.wait(timeout=60), sum(range(size)) + size * i)
+    assert ran_in == [threading.get_ident()]
+
+    started, release = threading.Event(), threading.Event()
+
+    def hold(items):
+        started.set()
+        release.wait(60)
+        ran_in.append(threading.get_ident())
+        return items
+    held = engine.submit(lambda: hold(None), "hold")
+    started.wait(60)                        # the engine's thread runs it now
+    threading.Timer(0.2, release.set).start()
+    held.wait(timeout=60)
+    assert ran_in[-1] != threading.get_ident()

@@ -3,7 +3,8 @@
 
     mpiexec -n 4 --oversubscribe python bench/collectives.py [--ops allreduce,alltoall]
         [--min-bytes 4] [--max-bytes 64M] [--step-factor 4] [--dtype float32]
-        [--iters 20] [--warmup 5] [--batches 5] [--check] [--json PATH] [--plot PNG]
+        [--iters 20] [--target-ms 20] [--warmup 5] [--batches 5] [--check] [--json PATH]
+        [--plot PNG]
         [--no-gloo]
 
 Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
@@ -21,8 +22,10 @@ that allocation is not measured; the other pycoll forms allocate their output):
 Size is nccl-tests' size: the larger per-rank buffer (allgather's output, reduce_scatter's
 and alltoall's input), rounded down to a multiple of ranks x itemsize where the op splits
 it. algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
-reduce_scatter, alltoall) or 1 (broadcast). Time per op: mean over a batch of --iters calls,
-max over ranks; the table quotes the median of --batches batches, the implementations
+reduce_scatter, alltoall) or 1 (broadcast). Time per op: mean over a batch, max over
+ranks. A batch is --iters calls (fewer past 4 MiB), or as many as fill --target-ms (at
+most 100 x --iters), whichever is more, so latency-bound sizes average thousands of calls
+as OSU's latency tests do, not a handful; the table quotes the median of --batches batches, the implementations
 interleaved batch by batch (in rotating order) so that machine noise hits them alike.
 --check then verifies every implementation against numpy on every rank (--iters 0: only).
 The header gives the host's memcpy bandwidth, measured in the same run, as the physical
@@ -41,9 +44,9 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (MiB, comm, human_bytes, interleave, machine, machine_line,  # noqa: E402
-                     median, memcpy_gbps, memcpy_line, parse_bytes, pycoll, setup_gloo,
-                     teardown_gloo, write_json)
+from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine,  # noqa: E402
+                     machine_line, median, memcpy_gbps, memcpy_line, parse_bytes, pycoll,
+                     setup_gloo, teardown_gloo, time_batch, write_json)
 
 IMPLS = ("pycoll", "mpi4py", "gloo")
 DTYPES = ("float32", "float64", "int32", "int64")
@@ -186,10 +189,16 @@ def bench_op(op, args, impls, n, dtype, rows) -> bool:
             continue
         nbytes, bufs = count * itemsize, make_bufs(coll, count, n, dtype)
         times = {i: [] for i in impls}
-        iters = iters_for(nbytes, args.iters)
-        if iters:
-            times = interleave({i: (lambda i=i: run(coll, i, bufs)) for i in impls}, iters,
-                               max(1, min(args.warmup, iters)), args.batches)
+        iters = dict.fromkeys(impls, iters_for(nbytes, args.iters))
+        if args.iters:
+            fns = {i: (lambda i=i: run(coll, i, bufs)) for i in impls}
+            warmup = max(1, min(args.warmup, iters[impls[0]]))
+            if args.target_ms:      # latency-bound sizes: many calls, not a handful
+                for i in impls:
+                    time_batch(fns[i], warmup)
+                    iters[i] = max(iters[i], iters_for_time(fns[i], args.target_ms / 1e3,
+                                                            100 * args.iters))
+            times = interleave(fns, iters, warmup, args.batches)
         oks = {i: check(coll, i, bufs, count, n, dtype) for i in impls} if args.check else {}
         all_ok &= all(oks.values())
         t = {i: median(times[i]) for i in impls}
@@ -201,7 +210,7 @@ def bench_op(op, args, impls, n, dtype, rows) -> bool:
             cells += f" | {fmt(us, 16, 1)} {fmt(alg, 7, 3)} {fmt(bus, 7, 3)}"
             rows.append(dict(op=op, bytes=nbytes, count=count, dtype=args.dtype, impl=impl,
                              time_us=us, algbw=alg, busbw=bus,
-                             iters=iters, batches_us=[x * 1e6 for x in times[impl]],
+                             iters=iters[impl], batches_us=[x * 1e6 for x in times[impl]],
                              check=oks.get(impl)))
 
         def ratio(a, b):
@@ -286,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-factor", type=float, default=4.0)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--iters", type=int, default=20, help="per batch, up to 4 MiB; 0: no timing")
+    p.add_argument("--target-ms", type=float, default=20,
+                   help="at least this long a batch, up to 100 x --iters calls; 0: --iters only")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batches", type=int, default=5, help="median of this many batches")
     p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")

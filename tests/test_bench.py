@@ -35,7 +35,8 @@ def small_sweep(tmp_path_factory):
     """One 2-rank run of every op up to 4 KiB with --check; (stdout, JSON, PNG path)."""
     tmp = tmp_path_factory.mktemp("bench")
     out, png = tmp / "rows.json", tmp / "plots" / "busbw.png"     # --plot makes plots/
-    stdout = run_bench(BENCH, "--max-bytes", "4096", "--iters", "3", "--warmup", "1",
+    stdout = run_bench(BENCH, "--max-bytes", "4096", "--iters", "3", "--target-ms", "1",
+                       "--warmup", "1",
                        "--batches", "2", "--check", "--json", out, "--plot", png)
     return stdout, json.loads(out.read_text()), png
 

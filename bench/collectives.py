@@ -10,14 +10,14 @@
 Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
 out its buffers, how each implementation calls it and what it must produce. The three
 implementations share memory: numpy arrays for mpi4py, torch views of the same arrays
-(torch.from_numpy) for pycoll and gloo. Forms timed (in place where pycoll has one, so
-that allocation is not measured; the other pycoll forms allocate their output):
+(torch.from_numpy) for pycoll and gloo. Forms timed (in place, or into a given output,
+where pycoll has one, so that allocation is not measured; alltoall allocates its output):
 
-  allreduce       pycoll.allreduce_(t, op=Sum)    Allreduce(IN_PLACE)   dist.all_reduce
-  allgather       pycoll.allgather(t)             Allgather             dist.all_gather_single
-  broadcast       pycoll.broadcast_(t, root=0)    Bcast                 dist.broadcast
-  reduce_scatter  pycoll.reduce_scatter(t, Sum)   Reduce_scatter_block  dist.reduce_scatter_single
-  alltoall        pycoll.alltoall(t)              Alltoall              dist.all_to_all_single
+  allreduce       pycoll.allreduce_(t, op=Sum)          Allreduce(IN_PLACE)   dist.all_reduce
+  allgather       pycoll.allgather(t, out=r)            Allgather             dist.all_gather_single
+  broadcast       pycoll.broadcast_(t, root=0)          Bcast                 dist.broadcast
+  reduce_scatter  pycoll.reduce_scatter(t, Sum, out=r)  Reduce_scatter_block  dist.reduce_scatter_single
+  alltoall        pycoll.alltoall(t)                    Alltoall              dist.all_to_all_single
 
 Size is nccl-tests' size: the larger per-rank buffer (allgather's output, reduce_scatter's
 and alltoall's input), rounded down to a multiple of ranks x itemsize where the op splits
@@ -100,7 +100,7 @@ COLLS = {
         lambda c, n, r, dt: world_sum(c, n, dt), in_place=True),
     "allgather": Coll(
         lambda c, n: (c // n, c), lambda n: (n - 1) / n,
-        lambda b: pycoll.allgather(b.tsend),
+        lambda b: pycoll.allgather(b.tsend, out=b.trecv),
         lambda b: comm.Allgather(b.send, b.recv),
         lambda b: dist.all_gather_single(b.trecv, b.tsend),
         lambda c, n, r, dt: np.concatenate([pattern(j, c // n, dt) for j in range(n)])),
@@ -112,7 +112,7 @@ COLLS = {
         lambda c, n, r, dt: pattern(0, c, dt), in_place=True),
     "reduce_scatter": Coll(
         lambda c, n: (c, c // n), lambda n: (n - 1) / n,
-        lambda b: pycoll.reduce_scatter(b.tsend, op=pycoll.Sum),
+        lambda b: pycoll.reduce_scatter(b.tsend, op=pycoll.Sum, out=b.trecv),
         lambda b: comm.Reduce_scatter_block(b.send, b.recv, op=MPI.SUM),
         lambda b: dist.reduce_scatter_single(b.trecv, b.tsend),
         lambda c, n, r, dt: block(world_sum(c, n, dt), r, n)),

@@ -7,6 +7,9 @@ work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
 import enum
+import itertools
+import math
+import zlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
@@ -330,34 +333,56 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
     return name, run
 
 
-def _plan_allgather(x, group, name):
+def _plan_allgather(x, group, name, out=None):
     grp = runtime.resolve(group)
     src = as_buffer(x)
+    given = None if out is None else _output(out, src.dtype, "allgather")
     name = name or "allgather"
 
     def run():
         rows = src.shape[0] if src.shape else 1
         row_shape = tuple(src.shape[1:])
         grp.agree("allgather", name, dtype=src.dtype, row_shape=row_shape)
-        meta = grp.comm.allgather((rows, row_shape, src.dtype))
-        if len({m[1:] for m in meta}) > 1:
+        # One int64 Allgather (not a pickled one): rows, what the rows are, out='s size.
+        signature = zlib.crc32(repr((row_shape, src.dtype)).encode())
+        meta = np.array([rows, signature, -1 if given is None else given.nbytes], np.int64)
+        metas = np.empty((grp.size(), 3), np.int64)
+        grp.comm.Allgather(meta, metas)
+        if len(set(metas[:, 1].tolist())) > 1:          # every rank sees it: all raise
+            found = grp.comm.allgather((rows, row_shape, src.dtype))
             raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
-                             f"first; rank: (rows, other dims, dtype) = {dict(enumerate(meta))}")
-        out = tensors.empty_like(x, (sum(m[0] for m in meta),) + row_shape)
-        dst = as_buffer(out, writable=True)
-        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * ITEMSIZE[src.dtype]
-        counts = [m[0] * row_bytes for m in meta]
+                             f"first; rank: (rows, other dims, dtype) = {dict(enumerate(found))}")
+        row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
+        counts = [int(r) * row_bytes for r in metas[:, 0]]
+        wrong = [r for r, nbytes in enumerate(metas[:, 2].tolist())
+                 if nbytes >= 0 and nbytes != sum(counts)]
+        if wrong:
+            raise ValueError(f"{name}: out= must hold the {sum(counts)} gathered bytes "
+                             f"({int(metas[:, 0].sum())} rows of {row_shape}); ranks {wrong} "
+                             f"passed {metas[wrong, 2].tolist()} bytes")
+        result = out if given is not None else tensors.empty_like(
+            x, (int(metas[:, 0].sum()),) + row_shape)
+        dst = given or as_buffer(result, writable=True)
         _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Allgatherv(_msg(s, src.nbytes),
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
-        return out
+        return result
     return name, run
 
 
+def _output(out, dtype: str, what: str) -> Buffer:
+    """``out=``: where an operation writes its result instead of a new tensor."""
+    dst = as_buffer(out, writable=True)
+    if dst.dtype != dtype:
+        raise TypeError(f"{what}: out= is {dst.dtype} but the input is {dtype}; pass a "
+                        f"{dtype} tensor")
+    return dst
+
+
 def _displacements(counts: Sequence[int]) -> List[int]:
-    return [0] + list(np.cumsum(counts[:-1], dtype=np.int64)) if counts else []
+    return [0, *itertools.accumulate(counts[:-1])] if counts else []
 
 
 def _plan_broadcast(x, root, group, name, inplace):
@@ -389,15 +414,22 @@ def _split_rows(rows: int, parts: int) -> List[int]:
     return [rows // parts + (r < rows % parts) for r in range(parts)]
 
 
-def _plan_reduce_scatter(x, op, group, name):
+def _plan_reduce_scatter(x, op, group, name, out=None):
     op, grp = _reduce_op(op), runtime.resolve(group)
     src = as_buffer(x)
     _check_reduction(op, src.dtype)
     if not src.shape:
         raise ValueError("reduce_scatter splits dim 0 across ranks; got a 0-d tensor")
     rows = _split_rows(src.shape[0], grp.size())
-    out = tensors.empty_like(x, (rows[grp.rank()],) + tuple(src.shape[1:]))
-    dst = as_buffer(out, writable=True)
+    shape = (rows[grp.rank()],) + tuple(src.shape[1:])
+    if out is None:
+        out = tensors.empty_like(x, shape)
+        dst = as_buffer(out, writable=True)
+    else:
+        dst = _output(out, src.dtype, "reduce_scatter")
+        if dst.nbytes != math.prod(shape) * ITEMSIZE[src.dtype]:
+            raise ValueError(f"reduce_scatter: out= must hold this rank's block, {shape}; "
+                             f"got {tuple(dst.shape)}")
     row_count = src.count // src.shape[0] if src.shape[0] else 0
 
     name = name or "reduce_scatter"
@@ -432,7 +464,7 @@ def _plan_alltoall(x, splits, group, name):
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {list(np.asarray(splits).reshape(-1))}")
     row_shape = tuple(src.shape[1:])
-    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * ITEMSIZE[src.dtype]
+    row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
 
     name = name or "alltoall"
 
@@ -523,13 +555,14 @@ def grouped_allreduce_async_(xs, op=Average, group=None, name: Optional[str] = N
     return _submit(_plan_grouped_allreduce(xs, op, group, name, inplace=True))
 
 
-def allgather(x, group=None, name: Optional[str] = None):
-    """Concatenate every rank's ``x`` along dim 0 (dim-0 sizes may differ)."""
-    return _run(_plan_allgather(x, group, name))
+def allgather(x, group=None, name: Optional[str] = None, out=None):
+    """Concatenate every rank's ``x`` along dim 0 (dim-0 sizes may differ); into ``out``
+    (contiguous, of the total size) if given, else a new tensor."""
+    return _run(_plan_allgather(x, group, name, out))
 
 
-def allgather_async(x, group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_allgather(x, group, name))
+def allgather_async(x, group=None, name: Optional[str] = None, out=None) -> Work:
+    return _submit(_plan_allgather(x, group, name, out))
 
 
 def broadcast(x, root: int = 0, group=None, name: Optional[str] = None):
@@ -550,13 +583,15 @@ def broadcast_async_(x, root: int = 0, group=None, name: Optional[str] = None) -
     return _submit(_plan_broadcast(x, root, group, name, inplace=True))
 
 
-def reduce_scatter(x, op=Average, group=None, name: Optional[str] = None):
-    """Reduce ``x`` and give each rank its block of dim 0 (first ranks get the extra rows)."""
-    return _run(_plan_reduce_scatter(x, op, group, name))
+def reduce_scatter(x, op=Average, group=None, name: Optional[str] = None, out=None):
+    """Reduce ``x`` and give each rank its block of dim 0 (first ranks get the extra rows);
+    into ``out`` (contiguous, of the block's size) if given, else a new tensor."""
+    return _run(_plan_reduce_scatter(x, op, group, name, out))
 
 
-def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_reduce_scatter(x, op, group, name))
+def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None,
+                         out=None) -> Work:
+    return _submit(_plan_reduce_scatter(x, op, group, name, out))
 
 
 def alltoall(x, splits=None, group=None, name: Optional[str] = None):

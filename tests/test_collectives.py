@@ -238,6 +238,41 @@ def test_allgather_mismatched_row_shape_raises_on_every_rank(group):
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+def test_allgather_and_reduce_scatter_into_out(group, kind, fake_device):
+    """out= receives the result in place of a new tensor (what all_gather_into_tensor and
+    reduce_scatter_tensor hand over)."""
+    arg, rank, size = group
+    rows = lambda r: (r * 2 + 1) % 4               # noqa: E731 - includes ranks with 0 rows
+    x = make(rank_input("float32", (rows(rank), 3), rank), "float32", kind)
+    out = make(np.full((sum(rows(r) for r in range(size)), 3), -1.0), "float32", kind)
+    assert pycoll.allgather(x, group=arg, out=out) is out
+    assert_matches(out, np.concatenate([rank_input("float32", (rows(r), 3), r)
+                                        for r in range(size)]), "float32")
+    x = make(rank_input("float32", (2 * size + 1, 2), rank), "float32", kind)
+    mine = 2 + (rank < 1)
+    out = make(np.full((mine, 2), -1.0), "float32", kind)
+    assert pycoll.reduce_scatter_async(x, op=pycoll.Sum, group=arg, out=out).wait() is out
+    full = expected_reduce("float32", (2 * size + 1, 2), size, "Sum")
+    start = 2 * rank + min(rank, 1)
+    assert_matches(out, full[start:start + mine], "float32")
+
+
+def test_a_wrong_out_raises(group):
+    arg, rank, size = group
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match="out= is float64"):
+        pycoll.allgather(x, group=arg, out=np.empty((2 * size, 3)))
+    with pytest.raises(ValueError, match="this rank's block"):
+        pycoll.reduce_scatter(np.ones((size, 3), np.float32), group=arg,
+                              out=np.empty((2, 3), np.float32))
+    # A size that is wrong on one rank raises on every rank: the ranks compare sizes first.
+    out = np.empty((2 * size + (rank == size - 1), 3), np.float32)
+    with pytest.raises(ValueError, match=f"ranks \\[{size - 1}\\]"):
+        pycoll.allgather(x, group=arg, out=out)
+    np.testing.assert_array_equal(pycoll.allgather(x, group=arg), np.ones((2 * size, 3)))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_broadcast_from_every_root(group, kind, dtype, fake_device):
     arg, rank, size = group

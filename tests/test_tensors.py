@@ -95,3 +95,19 @@ def test_outputs_keep_the_kind_of_the_input():
         for y in (tensors.empty_like(x, (5, 3)), tensors.clone(x)):
             assert type(y) is type(x) and y.dtype == x.dtype
         assert tuple(tensors.empty_like(x, (5, 3)).shape) == (5, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_large_torch_outputs_are_whole_tensors_of_their_own(dtype):
+    """Past 4 MiB a torch output is numpy (huge-page) memory seen as a tensor: it must be
+    an ordinary, writable, contiguous tensor of its own, and an empty one stays empty."""
+    x = torch.zeros(2, dtype=dtype)
+    shape = (2**22 // x.element_size() + 3, 2)
+    a, b = tensors.empty_like(x, shape), tensors.empty_like(x, shape)
+    for y in (a, b):
+        assert type(y) is torch.Tensor and y.dtype == dtype and tuple(y.shape) == shape
+        assert y.is_contiguous() and not y.requires_grad
+    a.fill_(1)
+    b.fill_(2)
+    assert a.data_ptr() != b.data_ptr() and int(a[-1, -1]) == 1 and int(b[0, 0]) == 2
+    assert tuple(tensors.empty_like(x, (0, 2**22)).shape) == (0, 2**22)

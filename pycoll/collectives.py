@@ -391,7 +391,7 @@ def _plan_broadcast(x, root, group, name, inplace):
     src = as_buffer(x, writable=inplace)
     out = x if inplace else (tensors.clone(x) if grp.rank() == root
                              else tensors.empty_like(x, src.shape))
-    dst = as_buffer(out, writable=True)
+    dst = src if inplace else as_buffer(out, writable=True)
 
     name = name or "broadcast"
 

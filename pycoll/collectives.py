@@ -346,22 +346,22 @@ def _plan_allgather(x, group, name, out=None):
         # One int64 Allgather (not a pickled one): rows, what the rows are, out='s size.
         signature = zlib.crc32(repr((row_shape, src.dtype)).encode())
         meta = np.array([rows, signature, -1 if given is None else given.nbytes], np.int64)
-        metas = np.empty((grp.size(), 3), np.int64)
-        grp.comm.Allgather(meta, metas)
-        if len(set(metas[:, 1].tolist())) > 1:          # every rank sees it: all raise
+        gathered = np.empty((grp.size(), 3), np.int64)
+        grp.comm.Allgather(meta, gathered)
+        all_rows, signatures, out_bytes = zip(*gathered.tolist())
+        if len(set(signatures)) > 1:                    # every rank sees it: all raise
             found = grp.comm.allgather((rows, row_shape, src.dtype))
             raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
                              f"first; rank: (rows, other dims, dtype) = {dict(enumerate(found))}")
         row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
-        counts = [int(r) * row_bytes for r in metas[:, 0]]
-        wrong = [r for r, nbytes in enumerate(metas[:, 2].tolist())
-                 if nbytes >= 0 and nbytes != sum(counts)]
+        counts = [r * row_bytes for r in all_rows]
+        wrong = [r for r, nbytes in enumerate(out_bytes) if nbytes >= 0 and nbytes != sum(counts)]
         if wrong:
             raise ValueError(f"{name}: out= must hold the {sum(counts)} gathered bytes "
-                             f"({int(metas[:, 0].sum())} rows of {row_shape}); ranks {wrong} "
-                             f"passed {metas[wrong, 2].tolist()} bytes")
+                             f"({sum(all_rows)} rows of {row_shape}); ranks {wrong} passed "
+                             f"{[out_bytes[r] for r in wrong]} bytes")
         result = out if given is not None else tensors.empty_like(
-            x, (int(metas[:, 0].sum()),) + row_shape)
+            x, (sum(all_rows),) + row_shape)
         dst = given or as_buffer(result, writable=True)
         _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
@@ -472,9 +472,11 @@ def _plan_alltoall(x, splits, group, name):
         grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
         recv_splits = np.empty(n, np.int64)
         grp.comm.Alltoall(send_splits, recv_splits)
-        out = tensors.empty_like(x, (int(recv_splits.sum()),) + row_shape)
+        received = recv_splits.tolist()             # Python ints: numpy's cost more here
+        out = tensors.empty_like(x, (sum(received),) + row_shape)
         dst = as_buffer(out, writable=True)
-        send_counts, recv_counts = list(send_splits * row_bytes), list(recv_splits * row_bytes)
+        send_counts = [r * row_bytes for r in send_splits.tolist()]
+        recv_counts = [r * row_bytes for r in received]
         _check_counts(name, send_counts + recv_counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
             grp.comm.Alltoallv(

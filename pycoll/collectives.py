@@ -459,10 +459,11 @@ def _plan_alltoall(x, splits, group, name):
             raise ValueError(f"alltoall without splits needs dim 0 ({rows}) divisible by the "
                              f"number of ranks ({n}); pass splits=[rows for each rank]")
         splits = [rows // n] * n
-    send_splits = np.asarray(splits, dtype=np.int64).reshape(-1)
-    if len(send_splits) != n or (send_splits < 0).any() or send_splits.sum() != rows:
+    sent = np.asarray(splits).reshape(-1).tolist()     # Python ints: numpy's cost more here
+    if len(sent) != n or min(sent) < 0 or sum(sent) != rows or sent != [int(r) for r in sent]:
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
-                         f"dim 0 ({rows}), got {list(np.asarray(splits).reshape(-1))}")
+                         f"dim 0 ({rows}), got {sent}")
+    send_splits = np.array(sent, np.int64)
     row_shape = tuple(src.shape[1:])
     row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
 
@@ -475,7 +476,7 @@ def _plan_alltoall(x, splits, group, name):
         received = recv_splits.tolist()             # Python ints: numpy's cost more here
         out = tensors.empty_like(x, (sum(received),) + row_shape)
         dst = as_buffer(out, writable=True)
-        send_counts = [r * row_bytes for r in send_splits.tolist()]
+        send_counts = [r * row_bytes for r in sent]
         recv_counts = [r * row_bytes for r in received]
         _check_counts(name, send_counts + recv_counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:

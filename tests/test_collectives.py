@@ -325,6 +325,13 @@ def test_alltoall_bad_splits(group):
     arg, rank, size = group
     with pytest.raises(ValueError, match="splits"):
         pycoll.alltoall(np.zeros((size + 1, 2)), splits=[1] * size, group=arg)
+    x = np.zeros((2 * size, 2))
+    for bad in ([2] * (size + 1), [-1, 3] + [2] * (size - 1), [1.5, 2.5] + [2] * (size - 2)):
+        if len(bad) == size + 1 or size >= 2:
+            with pytest.raises(ValueError, match="non-negative row counts"):
+                pycoll.alltoall(x, splits=bad, group=arg)
+    y, received = pycoll.alltoall(x, splits=torch.full((size,), 2), group=arg)  # any sequence
+    assert y.shape == (2 * size, 2) and list(received) == [2] * size
     if size > 1:
         with pytest.raises(ValueError, match="divisible"):
             pycoll.alltoall(np.zeros((size + 1, 2)), group=arg)

@@ -231,8 +231,8 @@ def _numpy_host_pointers(arrays) -> Optional[tuple]:
 
 def _torch_host_pointers(ts) -> Optional[tuple]:
     dtype = ts[0].dtype
-    name = _TORCH_DTYPES.get(dtype)
-    if name is None or not all(t.dtype is dtype and t.is_cpu and t.is_contiguous() for t in ts):
+    name = _TORCH_DTYPES.get(dtype) or _torch_dtype(ts[0])
+    if not all(t.dtype is dtype and t.is_cpu and t.is_contiguous() for t in ts):
         return None
     return [t.data_ptr() for t in ts], [t.nbytes for t in ts], name
 

@@ -25,8 +25,9 @@ it. algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgathe
 reduce_scatter, alltoall) or 1 (broadcast). Time per op: mean over a batch, max over
 ranks. A batch is --iters calls (fewer past 4 MiB), or as many as fill --target-ms (at
 most 100 x --iters), whichever is more, so latency-bound sizes average thousands of calls
-as OSU's latency tests do, not a handful; the table quotes the median of --batches batches, the implementations
-interleaved batch by batch (in rotating order) so that machine noise hits them alike.
+as OSU's latency tests do, not a handful. The table quotes the median of --batches
+batches, the implementations interleaved batch by batch (in rotating order) so that
+machine noise hits them alike.
 --check then verifies every implementation against numpy on every rank (--iters 0: only).
 The header gives the host's memcpy bandwidth, measured in the same run, as the physical
 reference; after the allreduce table come the ratios issue 3 sets targets for; --plot

@@ -118,7 +118,8 @@ RESNET50_PARAMS = 25_557_032
 assert len(RESNET50_SHAPES) == 161, len(RESNET50_SHAPES)
 assert sum(math.prod(s) for s in RESNET50_SHAPES) == RESNET50_PARAMS
 
-IMPLS = ("pycoll", "pycoll-grouped", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor", "gloo-concat")
+IMPLS = ("pycoll", "pycoll-grouped", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor",
+         "gloo-concat")
 torch = dist = None                              # set in main() by setup_gloo()
 
 

@@ -91,15 +91,12 @@ def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:
 
 def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
     """An mpi4py message spec for raw memory."""
-    return [_from_address(ptr, nbytes), nbytes // ITEMSIZE[dtype], _MPI_TYPES[dtype]]
-
-
-_from_address = MPI.buffer.fromaddress
+    return [MPI.buffer.fromaddress(ptr, nbytes), nbytes // ITEMSIZE[dtype], _MPI_TYPES[dtype]]
 
 
 def _host(buf: Buffer, read: bool = True, write: bool = False):
     """A host pointer holding ``buf``'s bytes: its own, or a staging copy for CUDA memory."""
-    if buf.device == "cpu" or config.get("cuda_aware_mpi"):
+    if _direct(buf.device):
         return nullcontext(buf.ptr)
     return _staged(buf, read, write)
 
@@ -170,18 +167,16 @@ def _allreduce_one(item: _Allreduce):
     src, dst, grp, op = item.src, item.dst, item.grp, item.op
     if config.get("check"):         # before building agree()'s arguments: this is hot
         grp.agree("allreduce", item.name, dtype=src.dtype, shape=src.shape, op=op.value)
-    if not _direct(src):
+    if not _direct(src.device):
         _reduce_staged(_Many.of([item]), [0])
         return item.out
-    mpi_op, mpi_type, itemsize = _mpi_op(op, src.dtype), _MPI_TYPES[src.dtype], ITEMSIZE[src.dtype]
+    mpi_op, itemsize = _mpi_op(op, src.dtype), ITEMSIZE[src.dtype]
     chunk = config.get("chunk_bytes")
     pieces = (((0, dst.nbytes),) if dst.nbytes <= chunk and dst.nbytes <= _PIECE  # usual case
               else _pieces(dst.nbytes, itemsize, chunk))
     for offset, nbytes in pieces:
-        recv = [_from_address(dst.ptr + offset, nbytes), nbytes // itemsize, mpi_type]
-        send = (MPI.IN_PLACE if src.ptr == dst.ptr else
-                [_from_address(src.ptr + offset, nbytes), nbytes // itemsize, mpi_type])
-        grp.comm.Allreduce(send, recv, mpi_op)
+        send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
+        grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
         if op is Average:
             _scale(dst, dst.ptr + offset, nbytes // itemsize, 1.0 / grp.size())
     return item.out
@@ -270,7 +265,7 @@ def _allreduce_many(many: _Many) -> None:
     themselves, without a copy; the others are packed in fusion-threshold-sized groups
     (a group of one goes alone too). Every rank splits the list the same way."""
     threshold = config.get("fusion_threshold")
-    direct = many.device == "cpu" or config.get("cuda_aware_mpi")
+    direct = _direct(many.device)
     group: List[int] = []
     size = 0
     for i, nbytes in enumerate(many.sizes + [None]):
@@ -285,9 +280,10 @@ def _allreduce_many(many: _Many) -> None:
             size += nbytes
 
 
-def _direct(buf: Buffer) -> bool:
-    """Whether MPI can read ``buf`` where it is (else it is staged through host memory)."""
-    return buf.device == "cpu" or config.get("cuda_aware_mpi")
+def _direct(device: str) -> bool:
+    """Whether MPI can read memory on ``device`` where it is (else it is staged through
+    host memory)."""
+    return device == "cpu" or config.get("cuda_aware_mpi")
 
 
 def _allreduce_queued(items: List[_Allreduce]) -> list:
@@ -463,6 +459,7 @@ def _plan_alltoall(x, splits, group, name):
     if len(sent) != n or min(sent) < 0 or sum(sent) != rows or sent != [int(r) for r in sent]:
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {sent}")
+    sent = [int(r) for r in sent]                   # 2.0 is a row count; MPI wants ints
     send_splits = np.array(sent, np.int64)
     row_shape = tuple(src.shape[1:])
     row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]

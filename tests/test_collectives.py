@@ -332,8 +332,9 @@ def test_alltoall_bad_splits(group):
         if len(bad) == size + 1 or size >= 2:
             with pytest.raises(ValueError, match="non-negative row counts"):
                 pycoll.alltoall(x, splits=bad, group=arg)
-    y, received = pycoll.alltoall(x, splits=torch.full((size,), 2), group=arg)  # any sequence
-    assert y.shape == (2 * size, 2) and list(received) == [2] * size
+    for splits in (torch.full((size,), 2), [2.0] * size):     # any sequence of row counts
+        y, received = pycoll.alltoall(x, splits=splits, group=arg)
+        assert y.shape == (2 * size, 2) and list(received) == [2] * size
     if size > 1:
         with pytest.raises(ValueError, match="divisible"):
             pycoll.alltoall(np.zeros((size + 1, 2)), group=arg)

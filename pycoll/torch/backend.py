@@ -194,15 +194,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return works[-1] if works else self.barrier()
 
     def _reduce_scatter(self, output, rows, op):
-        if output.is_contiguous():          # straight into torch's output: no copy
-            work = pycoll.reduce_scatter_async(rows.contiguous(), op=op, group=self.group,
-                                               name="torch.reduce_scatter", out=output)
-            return _complete([work], lambda _: [output], "torch.reduce_scatter")
+        direct = output.is_contiguous()     # straight into torch's output: no copy
         work = pycoll.reduce_scatter_async(rows.contiguous(), op=op, group=self.group,
-                                           name="torch.reduce_scatter")
+                                           name="torch.reduce_scatter",
+                                           out=output if direct else None)
 
         def finish(results):
-            output.copy_(results[0].view(output.shape))
+            if not direct:
+                output.copy_(results[0].view(output.shape))
             return [output]
         return _complete([work], finish, "torch.reduce_scatter")
 
@@ -228,17 +227,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         if output.numel() != input.numel() * self._ranks:
             raise ValueError(f"all_gather_into_tensor needs an output of {self._ranks} x the "
                              f"input's {input.numel()} elements, got {output.numel()}")
-        name = "torch.all_gather_into_tensor"
-        if output.is_contiguous():          # straight into torch's output: no copy
-            work = pycoll.allgather_async(input.reshape(-1), group=self.group, name=name,
-                                          out=output)
-            return _complete([work], lambda _: [output], name)
-        work = pycoll.allgather_async(input.reshape(-1), group=self.group, name=name)
+        direct = output.is_contiguous()     # straight into torch's output: no copy
+        work = pycoll.allgather_async(input.reshape(-1), group=self.group,
+                                      name="torch.all_gather_into_tensor",
+                                      out=output if direct else None)
 
         def finish(results):
-            output.copy_(results[0].view(output.shape))
+            if not direct:
+                output.copy_(results[0].view(output.shape))
             return [output]
-        return _complete([work], finish, name)
+        return _complete([work], finish, "torch.all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 

@@ -145,5 +145,20 @@ PYBIND11_MODULE(_C, m) {
         "cuda_host_alloc", [](size_t nbytes) { return reinterpret_cast<uintptr_t>(cuda::host_alloc(nbytes)); },
         py::arg("nbytes"), Release(), "Pinned host memory (for staging); free with cuda_host_free.");
     m.def("cuda_host_free", [](uintptr_t p) { cuda::host_free(ptr(p)); }, py::arg("ptr"), Release());
+
+    m.def("cuda_copy_stream", &cuda::copy_stream, py::arg("device"), Release(),
+          "pycoll's own non-blocking stream for staging copies on `device` (a cudaStream_t as an int).");
+    py::class_<cuda::Event>(m, "CudaEvent", "An event recorded on `stream` of `device` when created.")
+        .def(py::init<uintptr_t, int>(), py::arg("stream"), py::arg("device"), Release())
+        .def_readonly("device", &cuda::Event::device)
+        .def("synchronize", &cuda::Event::synchronize, Release())
+        .def("query", &cuda::Event::query, Release());
+    m.def(
+        "cuda_copy",
+        [](uintptr_t dst, uintptr_t src, size_t nbytes, int device, const cuda::Event* after) {
+            cuda::copy_async(ptr(dst), ptr(src), nbytes, device, after);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("after") = nullptr, Release(),
+        "cudaMemcpyAsync on cuda_copy_stream(device), once `after` (a CudaEvent or None) has happened.");
 #endif
 }

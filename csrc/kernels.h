@@ -46,6 +46,29 @@ void synchronize(uintptr_t stream);
 int device_count();  // 0 when there is no driver or no device; never throws
 void* host_alloc(size_t nbytes);
 void host_free(void* ptr);
+
+// Staging copies run on pycoll's own stream per device, created non-blocking: they wait
+// only for the events they are given, never for the work other threads queue later on
+// the legacy default stream (a gradient's copy must not wait for the rest of backward).
+uintptr_t copy_stream(int device);
+// An event recorded on `stream` of `device` (the producer's work so far); the calling
+// thread's current device is left as it was.
+class Event {
+  public:
+    Event(uintptr_t stream, int device);
+    ~Event();
+    Event(const Event&) = delete;
+    Event& operator=(const Event&) = delete;
+    void synchronize() const;
+    bool query() const;  // true once everything before the event has run
+    void* handle() const { return event_; }
+    const int device;
+
+  private:
+    void* event_;  // cudaEvent_t, kept opaque so this header needs no CUDA
+};
+// cudaMemcpyAsync on copy_stream(device), after `after` (nullptr: no wait).
+void copy_async(void* dst, const void* src, size_t nbytes, int device, const Event* after);
 }  // namespace cuda
 #endif
 

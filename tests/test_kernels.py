@@ -468,3 +468,20 @@ def test_cuda_streams_memcpy_and_pinned_memory():
 def test_cuda_errors_raise_runtime_error():
     with pytest.raises(RuntimeError, match="CUDA"):
         _C.cuda_host_alloc(1 << 60)  # out of memory
+
+
+@cuda
+def test_cuda_copy_waits_for_the_event_it_is_given():
+    """pycoll's copy stream is non-blocking: the event is what orders a copy after the
+    producer's work (here an add queued behind a long sleep on the GPU)."""
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(1 << 20, device="cuda")
+    device = x.device.index
+    torch.cuda._sleep(50_000_000)
+    x.add_(1)
+    ready = _C.CudaEvent(torch.cuda.current_stream().cuda_stream, device)
+    out = np.zeros(1 << 20, np.float32)
+    _C.cuda_copy(ptr(out), x.data_ptr(), x.nbytes, device, ready)
+    _C.cuda_synchronize(_C.cuda_copy_stream(device))
+    assert ready.query() and ready.device == device
+    assert_same(out, np.ones(1 << 20, np.float32))

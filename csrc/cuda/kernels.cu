@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "../kernels.h"
 #include "../ops.h"
@@ -254,6 +256,70 @@ int device_count() {
         return 0;
     }
     return n;
+}
+
+namespace {
+
+// Runs a block with `device` current, then restores the caller's device: these calls
+// come from the user's threads, whose current device torch and cupy track themselves.
+class DeviceGuard {
+  public:
+    explicit DeviceGuard(int device) {
+        check(cudaGetDevice(&previous_), "cudaGetDevice");
+        if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice");
+    }
+    ~DeviceGuard() { cudaSetDevice(previous_); }
+
+  private:
+    int previous_ = 0;
+};
+
+}  // namespace
+
+uintptr_t copy_stream(int device) {
+    static std::mutex lock;
+    static std::vector<cudaStream_t> streams;  // by device; never destroyed (one per device)
+    std::lock_guard<std::mutex> hold(lock);
+    if (device < 0) throw std::invalid_argument("copy_stream: negative device");
+    if (size_t(device) >= streams.size()) streams.resize(device + 1, nullptr);
+    if (!streams[device]) {
+        DeviceGuard on(device);
+        check(cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking), "cudaStreamCreate");
+    }
+    return reinterpret_cast<uintptr_t>(streams[device]);
+}
+
+Event::Event(uintptr_t stream, int device_) : device(device_), event_(nullptr) {
+    DeviceGuard on(device);
+    cudaEvent_t ev;
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    event_ = ev;
+    const cudaError_t err = cudaEventRecord(ev, as_stream(stream));
+    if (err != cudaSuccess) {
+        cudaEventDestroy(ev);
+        check(err, "cudaEventRecord");
+    }
+}
+
+Event::~Event() { cudaEventDestroy(static_cast<cudaEvent_t>(event_)); }
+
+void Event::synchronize() const { check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize"); }
+
+bool Event::query() const {
+    const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event_));
+    if (err == cudaErrorNotReady) {
+        cudaGetLastError();
+        return false;
+    }
+    check(err, "cudaEventQuery");
+    return true;
+}
+
+void copy_async(void* dst, const void* src, size_t nbytes, int device, const Event* after) {
+    const cudaStream_t stream = as_stream(copy_stream(device));
+    DeviceGuard on(device);
+    if (after) check(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(after->handle()), 0), "cudaStreamWaitEvent");
+    if (nbytes) check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream), "cuda_copy");
 }
 
 void* host_alloc(size_t nbytes) {

@@ -97,18 +97,28 @@ def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
 def _host(buf: Buffer, read: bool = True, write: bool = False):
     """A host pointer holding ``buf``'s bytes: its own, or a staging copy for CUDA memory."""
     if _direct(buf.device):
+        _await_producer(buf)
         return nullcontext(buf.ptr)
     return _staged(buf, read, write)
 
 
+def _await_producer(buf: Buffer) -> None:
+    """Before MPI reads or writes GPU memory itself (CUDA-aware MPI): the work queued on
+    it when it was handed to pycoll is done."""
+    if buf.ready is not None:
+        buf.ready.synchronize()
+
+
 @contextmanager
 def _staged(buf: Buffer, read: bool, write: bool):
-    staging = np.empty(buf.nbytes, np.uint8)
+    staging, stage = np.empty(buf.nbytes, np.uint8), tensors.stager(buf.device_id)
     if read and buf.nbytes:
-        tensors.copy_device(staging.ctypes.data, buf.ptr, buf.nbytes)
+        stage.copy(staging.ctypes.data, buf.ptr, buf.nbytes, buf.ready)
+        stage.wait()
     yield staging.ctypes.data
     if write and buf.nbytes:
-        tensors.copy_device(buf.ptr, staging.ctypes.data, buf.nbytes)
+        stage.copy(buf.ptr, staging.ctypes.data, buf.nbytes, buf.ready)
+        stage.wait()
 
 
 def _scale(buf: Buffer, ptr: int, count: int, factor: float) -> None:
@@ -170,6 +180,8 @@ def _allreduce_one(item: _Allreduce):
     if not _direct(src.device):
         _reduce_staged(_Many.of([item]), [0])
         return item.out
+    if src.device != "cpu":
+        _await_producer(dst)            # dst is handed over last: its event covers src's
     mpi_op, itemsize = _mpi_op(op, src.dtype), ITEMSIZE[src.dtype]
     chunk = config.get("chunk_bytes")
     pieces = (((0, dst.nbytes),) if dst.nbytes <= chunk and dst.nbytes <= _PIECE  # usual case
@@ -193,13 +205,15 @@ class _Many(NamedTuple):
     op: ReduceOp
     grp: runtime.Group
     item: Callable[[int], _Allreduce]       # the i-th as an _Allreduce, to send it alone
+    device_id: int = 0
+    ready: Any = None           # GPU memory: the event of the last tensor handed over
 
     @classmethod
     def of(cls, items: List[_Allreduce]) -> "_Many":
-        first = items[0].src
+        first, last = items[0].src, items[-1].dst
         return cls([it.src.ptr for it in items], [it.dst.ptr for it in items],
                    [it.src.nbytes for it in items], first.dtype, first.device, items[0].op,
-                   items[0].grp, items.__getitem__)
+                   items[0].grp, items.__getitem__, first.device_id, last.ready)
 
 
 def _allreduce_fused(many: _Many, which: List[int]) -> None:
@@ -214,33 +228,55 @@ def _allreduce_fused(many: _Many, which: List[int]) -> None:
 
 def _reduce_staged(many: _Many, which: List[int]) -> None:
     """Tensors ``which`` of ``many`` seen as one stream of bytes, reduced through the
-    engine's staging buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack (or copy from
-    the GPU), one MPI Allreduce, unpack (+ Average's scale, or scale and copy back to the
-    GPU). Each piece stays in cache from pack to unpack, and the buffer is one piece long."""
+    engine's staging buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack, one MPI
+    Allreduce, unpack (+ Average's scale). Each piece stays in cache from pack to unpack,
+    and the buffer is one piece long. GPU memory: ``_reduce_from_gpu``."""
     if len(which) == len(many.sizes):
         srcs, dsts, sizes = many.srcs, many.dsts, many.sizes
     else:
         srcs, dsts = [many.srcs[i] for i in which], [many.dsts[i] for i in which]
         sizes = [many.sizes[i] for i in which]
     dtype, grp, itemsize = many.dtype, many.grp, ITEMSIZE[many.dtype]
-    on_host = many.device == "cpu"
     scale = 1.0 / grp.size() if many.op is Average else 1.0
     mpi_op, engine = _mpi_op(many.op, dtype), runtime.engine()
-    for begin, nbytes in _pieces(sum(sizes), itemsize, config.get("chunk_bytes")):
+    pieces = _pieces(sum(sizes), itemsize, config.get("chunk_bytes"))
+    if many.device != "cpu":
+        _reduce_from_gpu(many, srcs, dsts, sizes, pieces, mpi_op, scale)
+        return
+    for begin, nbytes in pieces:
         end, piece = begin + nbytes, engine.fusion_buffer(nbytes).ctypes.data
-        if on_host:
-            _C.pack(piece, srcs, sizes, begin, end)
-        else:
-            for i, offset, at, n in _segments(sizes, begin, end):
-                tensors.copy_device(piece + at, srcs[i] + offset, n)
+        _C.pack(piece, srcs, sizes, begin, end)
         grp.comm.Allreduce(MPI.IN_PLACE, _msg(piece, nbytes, dtype), mpi_op)
-        if on_host:
-            _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
-            continue
+        _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
+
+
+def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: float) -> None:
+    """``_reduce_staged`` for GPU memory, pipelined through two pinned pieces: while MPI
+    reduces one, the GPU copies the next one out, and the one before back (pycoll's copy
+    stream runs them in order, so a piece's buffer is refilled only once it is copied
+    back)."""
+    stage, dtype = tensors.stager(many.device_id), many.dtype
+    room = max(nbytes for _, nbytes in pieces)
+    halves = runtime.engine().fusion_buffer(2 * room, pinned=True).ctypes.data
+    at_piece = [halves + k % 2 * room for k in range(len(pieces))]
+
+    def fetch(k: int):
+        begin, nbytes = pieces[k]
+        for i, offset, at, n in _segments(sizes, begin, begin + nbytes):
+            stage.copy(at_piece[k] + at, srcs[i] + offset, n, many.ready)
+        return stage.mark()
+
+    arrived = fetch(0)
+    for k, (begin, nbytes) in enumerate(pieces):
+        following = fetch(k + 1) if k + 1 < len(pieces) else None
+        stage.wait(arrived)
+        many.grp.comm.Allreduce(MPI.IN_PLACE, _msg(at_piece[k], nbytes, dtype), mpi_op)
         if scale != 1.0:
-            _C.scale(piece, nbytes // itemsize, dtype, scale)
-        for i, offset, at, n in _segments(sizes, begin, end):
-            tensors.copy_device(dsts[i] + offset, piece + at, n)
+            _C.scale(at_piece[k], nbytes // ITEMSIZE[dtype], dtype, scale)
+        for i, offset, at, n in _segments(sizes, begin, begin + nbytes):
+            stage.copy(dsts[i] + offset, at_piece[k] + at, n)
+        arrived = following
+    stage.wait()
 
 
 def _segments(sizes: Sequence[int], begin: int, end: int):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import numpy as np
 
-from . import config
+from . import config, tensors
 from .work import Work
 
 
@@ -69,7 +69,7 @@ class Engine:
         self._cv = threading.Condition(self._lock)
         self._thread_id: Optional[int] = None     # the engine thread's, once started
         self._runner: Optional[int] = None        # the thread running a batch now
-        self._fusion = np.empty(0, np.uint8)
+        self._fusion = {False: np.empty(0, np.uint8), True: np.empty(0, np.uint8)}   # by pinned
 
     # ------------------------------------------------------------ issuing
     def submit(self, thunk: Callable[[], Any], name: str) -> Work:
@@ -143,13 +143,15 @@ class Engine:
         with self._lock:
             return self._cv.wait_for(lambda: not self._ready and not self._busy, timeout)
 
-    def fusion_buffer(self, nbytes: int) -> np.ndarray:
+    def fusion_buffer(self, nbytes: int, pinned: bool = False) -> np.ndarray:
         """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
         largest piece asked for: PYCOLL_CHUNK_BYTES at most). Batches run one at a time,
-        so they share it."""
-        if self._fusion.nbytes < nbytes:
-            self._fusion = np.empty(nbytes, np.uint8)
-        return self._fusion[:nbytes]
+        so they share it. ``pinned``: the page-locked one that GPU batches stage through
+        (two pieces long), allocated with the first of them."""
+        if self._fusion[pinned].nbytes < nbytes:
+            self._fusion[pinned] = (tensors.pinned_empty(nbytes) if pinned
+                                    else np.empty(nbytes, np.uint8))
+        return self._fusion[pinned][:nbytes]
 
     # ------------------------------------------------------------ internals
     def _close_open(self, wake: bool = True) -> None:

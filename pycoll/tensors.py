@@ -8,6 +8,7 @@ the owner alive.
 import ctypes
 import math
 import sys
+import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -34,7 +35,9 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
 class Buffer(NamedTuple):
-    """Where a tensor's bytes live. ``owner`` keeps the memory alive."""
+    """Where a tensor's bytes live. ``owner`` keeps the memory alive. ``ready``: for GPU
+    memory, an event recorded on the producer's stream when the tensor was handed to
+    pycoll; pycoll touches the memory only after it (None: no GPU in this process)."""
     ptr: int
     nbytes: int
     dtype: str
@@ -43,6 +46,7 @@ class Buffer(NamedTuple):
     device_id: int
     readonly: bool
     owner: Any
+    ready: Any = None
 
     @property
     def count(self) -> int:
@@ -103,8 +107,10 @@ def _from_torch(t) -> Buffer:
     if device.type != "cuda":
         raise TypeError(f"pycoll supports CPU and CUDA tensors; this one is on {device}. "
                         "Move it with .cpu() or .cuda().")
-    return Buffer(t.data_ptr(), t.nbytes, name, tuple(t.shape), "cuda", device.index or 0,
-                  False, t)
+    index = device.index or 0
+    stream = sys.modules["torch"].cuda.current_stream(index).cuda_stream
+    return Buffer(t.data_ptr(), t.nbytes, name, tuple(t.shape), "cuda", index, False, t,
+                  ready_event(stream, index))
 
 
 def _torch_dtype(t) -> str:
@@ -139,9 +145,12 @@ def _from_dlpack(x) -> Buffer:
         raise TypeError(f"pycoll supports CPU and CUDA memory; this {_describe(x)} lives on "
                         f"DLPack device type {device_type}. Move it to the CPU or a CUDA GPU.")
     count = math.prod(shape)
+    device_id = managed.device.device_id
     # The capsule stays in ``owner``: its destructor frees the export only after we are done.
+    # Exported without a stream, so the legacy default stream orders the producer's work.
     return Buffer((managed.data or 0) + managed.byte_offset, count * ITEMSIZE[name], name,
-                  shape, device, managed.device.device_id, False, (x, capsule))
+                  shape, device, device_id, False, (x, capsule),
+                  ready_event(0, device_id) if device == "cuda" else None)
 
 
 def _from_cuda_array_interface(x) -> Buffer:
@@ -154,8 +163,11 @@ def _from_cuda_array_interface(x) -> Buffer:
         raise _not_contiguous(x)
     ptr, readonly = cai["data"]
     count = math.prod(shape)
-    return Buffer(ptr or 0, count * dtype.itemsize, name, shape, "cuda",
-                  _cuda_device_of(x), bool(readonly), x)
+    device = _cuda_device_of(x)
+    # "stream" (version 3) is the producer's: 1 and 2 are CUDA's names for the legacy and
+    # per-thread default streams; without one, the legacy default stream orders everything.
+    return Buffer(ptr or 0, count * dtype.itemsize, name, shape, "cuda", device,
+                  bool(readonly), x, ready_event(cai.get("stream") or 0, device))
 
 
 def _cuda_device_of(x) -> int:
@@ -298,15 +310,84 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-def copy_device(dst: int, src: int, nbytes: int) -> None:
-    """Copy ``nbytes`` between host and CUDA memory, either way; returns when done."""
-    if _C.has_cuda():
-        _C.cuda_memcpy(dst, src, nbytes)
-        _C.cuda_synchronize()
-        return
-    try:
-        import cupy
-    except ImportError:
-        raise RuntimeError("CUDA tensors need pycoll built with its CUDA kernels "
-                           "(PYCOLL_WITH_CUDA=1 pip install pycoll) or cupy installed") from None
-    cupy.cuda.runtime.memcpy(dst, src, nbytes, cupy.cuda.runtime.memcpyDefault)
+def _gpu_present() -> bool:
+    global _GPU
+    if _GPU is None:
+        _GPU = _C.has_cuda() and _C.cuda_device_count() > 0
+    return _GPU
+
+
+_GPU: Optional[bool] = None
+
+
+def ready_event(stream: int, device: int):
+    """An event on ``stream`` of ``device`` marking the producer's work so far (None
+    without pycoll's CUDA build or a GPU: copies are then synchronous)."""
+    return _C.CudaEvent(stream, device) if _gpu_present() else None
+
+
+def pinned_empty(nbytes: int) -> np.ndarray:
+    """Page-locked host memory where a GPU is present (staging copies run at full speed
+    and asynchronously), else ordinary memory."""
+    if not _gpu_present():
+        return np.empty(nbytes, np.uint8)
+    address = _C.cuda_host_alloc(nbytes)
+    array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+    weakref.finalize(array, _C.cuda_host_free, address)
+    return array
+
+
+class _CudaStager:
+    """Copies between host memory and one GPU on pycoll's own stream for it. Each copy
+    waits only for the event it is given (a Buffer's ``ready``), so the copy of one
+    gradient starts as soon as backward has written it, not after the rest of backward."""
+
+    def __init__(self, device: int):
+        self.device, self.stream = device, _C.cuda_copy_stream(device)
+
+    def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:
+        """Start the copy; it runs after ``after`` and after the copies started before."""
+        _C.cuda_copy(dst, src, nbytes, self.device, after)
+
+    def mark(self):
+        """A token that ``wait`` takes: the copies started so far."""
+        return _C.CudaEvent(self.stream, self.device)
+
+    def wait(self, mark=None) -> None:
+        """Until the copies before ``mark`` (default: all started so far) are done."""
+        if mark is None:
+            _C.cuda_synchronize(self.stream)
+        else:
+            mark.synchronize()
+
+
+class _CupyStager:
+    """Synchronous copies through cupy, for a pycoll built without its CUDA kernels."""
+
+    def __init__(self, device: int):
+        try:
+            import cupy
+        except ImportError:
+            raise RuntimeError("CUDA tensors need pycoll built with its CUDA kernels "
+                               "(PYCOLL_WITH_CUDA=1 pip install pycoll) or cupy installed") from None
+        self._runtime = cupy.cuda.runtime
+
+    def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:
+        self._runtime.memcpy(dst, src, nbytes, self._runtime.memcpyDefault)
+
+    def mark(self):
+        return None
+
+    def wait(self, mark=None) -> None:
+        pass
+
+
+def stager(device: int):
+    """The copier between host memory and GPU ``device`` (one per device)."""
+    found = _STAGERS.get(device)
+    if found is None:
+        found = _STAGERS[device] = (_CudaStager if _gpu_present() else _CupyStager)(device)
+    return found
+
+
+_STAGERS: dict = {}

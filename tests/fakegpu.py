@@ -1,7 +1,7 @@
 """Fake GPU arrays: host memory behind ``__cuda_array_interface__`` only.
 
 They drive pycoll's CUDA code paths on machines without a GPU; the tests swap
-``pycoll.tensors.copy_device`` for a host memmove that counts its calls.
+``pycoll.tensors.stager`` for one whose copies are host memmoves that it counts.
 """
 import ctypes
 
@@ -30,12 +30,21 @@ def empty(shape, dtype):
     return FakeCudaArray(np.empty(shape, dtype))
 
 
-class CountingCopy:
-    """Stands in for a device memcpy."""
+class CountingStager:
+    """Stands in for ``pycoll.tensors.stager(device)``: copies at once, counting them."""
 
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, dst: int, src: int, nbytes: int) -> None:
+    def __call__(self, device: int) -> "CountingStager":
+        return self
+
+    def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:
         self.calls += 1
         ctypes.memmove(dst, src, nbytes)
+
+    def mark(self):
+        return None
+
+    def wait(self, mark=None) -> None:
+        pass

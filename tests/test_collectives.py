@@ -69,8 +69,8 @@ def assert_matches(result, expected, dtype):
 
 @pytest.fixture
 def fake_device(monkeypatch):
-    copy = fakegpu.CountingCopy()
-    monkeypatch.setattr(tensors, "copy_device", copy)
+    copy = fakegpu.CountingStager()
+    monkeypatch.setattr(tensors, "stager", copy)
     return copy
 
 
@@ -108,7 +108,8 @@ def test_allreduce_torch_and_cuda_arrays(group, kind, dtype, fake_device):
 
 @pytest.mark.parametrize("op", ["Sum", "Average"])
 def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatch, op):
-    """Host staging for GPU memory is one PYCOLL_CHUNK_BYTES piece, whatever the tensor size."""
+    """Host staging for GPU memory is two PYCOLL_CHUNK_BYTES pieces (one travels while
+    the next is copied), whatever the tensor size."""
     arg, rank, size = group
     monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", 400)
     x = make(rank_input("float32", (1000,), rank, op), "float32", "fake_cuda")

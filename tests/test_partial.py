@@ -76,8 +76,8 @@ def test_gpu_memory_is_staged_for_the_ring(pycoll_world, path, monkeypatch, cuda
     """The ring reduces with the CPU kernels, so GPU memory goes through host memory even
     when the MPI is CUDA-aware."""
     monkeypatch.setitem(config._overrides, "cuda_aware_mpi", cuda_aware)
-    copies = fakegpu.CountingCopy()
-    monkeypatch.setattr(pycoll.tensors, "copy_device", copies)
+    copies = fakegpu.CountingStager()
+    monkeypatch.setattr(pycoll.tensors, "stager", copies)
     rank, ranks = pycoll.rank(), tuple(range(pycoll.size()))
     x = make(rank_input("float32", (7, 3), rank, "Average"), "float32", "fake_cuda")
     y = pycoll.partial_allreduce(x, ranks, op=pycoll.Average)

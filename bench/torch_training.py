@@ -2,6 +2,7 @@
 two loops without overlap, on one model and synthetic data, in the same run.
 
     pycollrun -np 2 python bench/torch_training.py [--width 1024 --depth 6] [--json out.json]
+        [--device cuda]
 
 Modes (each rank trains on its own batch, gradients averaged over the ranks):
   local        no communication at all: the compute floor the others are measured against
@@ -15,6 +16,8 @@ ranks share the cores). DDP runs with gradient_as_bucket_view (--no-bucket-view 
 turn it off) on both backends: torch's advice for speed, and it drops two copies of
 every gradient that are the same work whatever the backend, so the ratio shows the
 backends rather than DDP's copies.
+With --device cuda the ranks share the GPUs round-robin and pycoll stages gradients
+through host memory (gloo does too); there the hooks overlap communication with backward.
 Rounds run the modes in turn so machine noise hits all of them alike; a mode's time in
 a round is the slowest rank's mean step; the table gives the median over rounds.
 """
@@ -44,14 +47,15 @@ def model(width: int, depth: int) -> torch.nn.Module:
 
 def make_step(mode: str, args, gloo):
     """A zero-argument training step for ``mode`` on its own copy of the model."""
-    net = model(args.width, args.depth)
+    net = model(args.width, args.depth).to(args.device)
     params = list(net.parameters())
     x = torch.randn(args.batch, 64, generator=torch.Generator().manual_seed(pycoll.rank()))
-    y = torch.randint(0, 10, (args.batch,))
+    x, y = x.to(args.device), torch.randint(0, 10, (args.batch,)).to(args.device)
     loss_fn = torch.nn.CrossEntropyLoss()
     if mode.startswith("ddp"):
         net = torch.nn.parallel.DistributedDataParallel(
             net, process_group=gloo if mode == "ddp-gloo" else None,
+            device_ids=None if args.device == "cpu" else [torch.cuda.current_device()],
             bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view)
     optimizer = torch.optim.SGD(params, lr=1e-3)
     if mode == "hvd":
@@ -81,6 +85,7 @@ def main():
     parser.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=True,
                         help="DDP's gradient_as_bucket_view, for both backends: it saves two "
                              "copies of every gradient that are the same work whatever the backend")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
 
@@ -88,6 +93,8 @@ def main():
     dist.init_process_group("pycoll")
     gloo = dist.new_group(backend="gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
+    if args.device == "cuda":
+        torch.cuda.set_device(pycoll.local_rank() % torch.cuda.device_count())
     steps = {mode: make_step(mode, args, gloo) for mode in MODES}
     for step in steps.values():               # warm-up: buffers, buckets, first calls
         for _ in range(2):
@@ -99,6 +106,8 @@ def main():
             start = time.perf_counter()
             for _ in range(args.steps):
                 step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             mean = (time.perf_counter() - start) / args.steps
             times[mode].append(pycoll.allreduce(torch.tensor([mean]), op=pycoll.Max).item())
     median = {mode: statistics.median(t) for mode, t in times.items()}
@@ -108,7 +117,7 @@ def main():
               "hvd / fused-after": median["hvd"] / median["fused-after"],
               "hvd / naive": median["hvd"] / median["naive"]}
     if rank == 0:
-        print(f"# {size} ranks, MLP {args.depth} x {args.width} ({params / 1e6:.1f} M params, "
+        print(f"# {size} ranks on {args.device}, MLP {args.depth} x {args.width} ({params / 1e6:.1f} M params, "
               f"{4 * params / 2**20:.0f} MiB of gradients), batch {args.batch}/rank, "
               f"median of {args.rounds} rounds x {args.steps} steps")
         print(f"{'mode':>12} {'step (ms)':>10}")

@@ -3,10 +3,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <string>
 #include <vector>
 
 #include "kernels.h"
+#include "mpi_calls.h"
 
 namespace py = pybind11;
 using namespace pycoll;
@@ -31,6 +33,44 @@ std::vector<void*> mut_ptrs(const Ptrs& ps) {
     return out;
 }
 
+PyObject* address(PyObject*, PyObject* obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject* found = Py_BuildValue("(KO)", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(view.buf)),
+                                    view.readonly ? Py_True : Py_False);
+    PyBuffer_Release(&view);
+    return found;
+}
+
+PyObject* mpi_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "mpi_allreduce(send, recv, count, datatype, op, comm) takes 6 ints");
+        return nullptr;
+    }
+    if (!mpi::bound()) {
+        PyErr_SetString(PyExc_RuntimeError, "mpi_allreduce before mpi_bind found MPI");
+        return nullptr;
+    }
+    intptr_t v[6];
+    for (int i = 0; i < 6; ++i) {
+        v[i] = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(args[i]));  // takes negative ints too (MPICH handles)
+        if (v[i] == 0 && PyErr_Occurred()) return nullptr;
+    }
+    if (v[2] < 0 || v[2] > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "mpi_allreduce: count must be in [0, 2^31)");
+        return nullptr;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mpi::allreduce(reinterpret_cast<const void*>(v[0]), reinterpret_cast<void*>(v[1]), static_cast<int>(v[2]),
+                        v[3], v[4], v[5]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -44,22 +84,22 @@ PYBIND11_MODULE(_C, m) {
     m.def("has_cuda", [] { return with_cuda; }, "Whether the CUDA kernels were compiled in.");
     m.def("itemsize", [](const std::string& dt) { return itemsize(parse_dtype(dt)); }, py::arg("dtype"));
 
+    // Plain CPython functions, not pybind11 ones: they sit on every small allreduce's path,
+    // where pybind11's argument dispatch costs as much as the MPI call itself.
+    static PyMethodDef fast[] = {
+        {"address", address, METH_O,
+         "(address, readonly) of a C-contiguous buffer-protocol object (numpy's __array_interface__ costs ten "
+         "times more); None if it is not one."},
+        {"mpi_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(mpi_allreduce)), METH_FASTCALL,
+         "mpi_allreduce(send, recv, count, datatype, op, comm) -> MPI error code: MPI_Allreduce on addresses and "
+         "mpi4py's .handle values, without the GIL; after mpi_bind."},
+    };
+    for (auto& def : fast) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
     m.def(
-        "address",
-        [](py::handle obj) -> py::object {
-            Py_buffer view;
-            if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
-                PyErr_Clear();
-                return py::none();
-            }
-            const auto address = reinterpret_cast<uintptr_t>(view.buf);
-            const bool readonly = view.readonly;
-            PyBuffer_Release(&view);
-            return py::make_tuple(address, readonly);
-        },
-        py::arg("obj"),
-        "(address, readonly) of a C-contiguous buffer-protocol object (numpy's __array_interface__ costs ten "
-        "times more); None if it is not one.");
+        "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },
+        py::arg("module_path"), py::arg("handle_size"),
+        "Find MPI_Allreduce beside mpi4py's extension module (MPI.__file__); MPI._sizeof(MPI.Comm) is "
+        "handle_size. Returns '' once bound, else why not.");
 
     // ---- CPU ----
     m.def(

@@ -62,7 +62,9 @@ class Engine:
         threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
         self._ready: collections.deque = collections.deque()
         self._open: Optional[_Batch] = None       # fusable batch still taking items
-        self._busy = False
+        # One token while nothing runs: whoever pops it runs the next operation. A claim by a
+        # caller (the blocking short path) then costs a deque pop, not two lock round trips.
+        self._idle = collections.deque([True])
         # ``with self._lock`` is the C lock itself; the Condition's own __enter__ is a
         # Python call, and this lock is taken on every collective's path.
         self._lock = threading.RLock()
@@ -107,18 +109,41 @@ class Engine:
         """Run ``thunk`` after everything issued before it; its result."""
         if threading.get_ident() == self._runner:
             return thunk()      # called back from a running batch: waiting would deadlock
-        with self._lock:
-            inline = not self._ready and not self._busy and self._open is None
-            self._busy = self._busy or inline
-        if not inline:
+        if not self.claim(name):
             return self.submit(thunk, name).wait()
         try:
-            return self._execute(thunk, name)
+            self._runner = threading.get_ident()
+            return thunk()
         finally:
+            self._runner = None
+            self.release()
+
+    def claim(self, name: str) -> bool:
+        """Take the engine for one operation that the caller runs now, in its own thread,
+        if nothing is queued, open or running (then nothing issued earlier is left to run
+        first); False otherwise. ``release`` gives it back. A blocking call's short path."""
+        if self._ready or self._open is not None or not self._take():
+            return False
+        if self._ready or self._open is not None:   # issued meanwhile by another thread
+            self.release()
+            return False
+        self._running = (name, time.monotonic())
+        return True
+
+    def release(self) -> None:
+        """End what ``claim`` began."""
+        self._running = None
+        self._idle.append(True)
+        if self._ready:                 # queued meanwhile by another thread
             with self._lock:
-                self._busy = False
-                if self._ready:             # queued meanwhile by another thread
-                    self._cv.notify_all()
+                self._cv.notify_all()
+
+    def _take(self) -> bool:
+        """Pop the idle token if it is there (atomic: no lock needed)."""
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return False
 
     def flush(self, until: Optional[threading.Event] = None) -> None:
         """Send the open batch now (what asking for any of its results does). With
@@ -129,19 +154,24 @@ class Engine:
         while True:
             with self._lock:
                 self._close_open(wake=until is None)
-                if until is None or until.is_set() or self._busy or not self._ready:
+                if until is None or until.is_set() or not self._ready or not self._take():
                     if until is not None and self._ready:
                         self._wake()        # what this thread leaves, the engine's runs
                     return
                 batch = self._ready.popleft()
-                self._busy = True
             self._run_batch(batch)
 
     def drain(self, timeout: float) -> bool:
         """Wait until nothing queued or running is left (at most ``timeout`` s); the open
         batch stays unsent, since other ranks may never issue its partners."""
+        deadline = time.monotonic() + timeout
         with self._lock:
-            return self._cv.wait_for(lambda: not self._ready and not self._busy, timeout)
+            # Polled: a caller's claim gives the token back without notifying.
+            while self._ready or not self._idle:
+                if time.monotonic() > deadline:
+                    return False
+                self._cv.wait(0.01)
+        return True
 
     def fusion_buffer(self, nbytes: int, pinned: bool = False) -> np.ndarray:
         """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
@@ -183,13 +213,6 @@ class Engine:
         self._close_open()
         return None
 
-    def _execute(self, fn: Callable[[], Any], name: str) -> Any:
-        self._running, self._runner = (name, time.monotonic()), threading.get_ident()
-        try:
-            return fn()
-        finally:
-            self._running = self._runner = None
-
     def _watch(self) -> None:
         """The stall inspector of last resort: a blocking MPI call cannot time out, so a
         rank stuck in one past PYCOLL_TIMEOUT ends the job with a message, not a hang."""
@@ -218,17 +241,17 @@ class Engine:
             with self._lock:
                 while True:
                     left = self._close_if_cycle_over()
-                    if self._ready and not self._busy:
+                    if self._ready and self._take():
                         break
                     self._cv.wait(left)
                 batch = self._ready.popleft()
-                self._busy = True
             self._run_batch(batch)
 
     def _run_batch(self, batch: _Batch) -> None:
-        """Run ``batch``, which the caller took off the queue, setting ``_busy``."""
+        """Run ``batch``, which the caller took off the queue with the idle token."""
+        self._running, self._runner = (batch.works[0].name, time.monotonic()), threading.get_ident()
         try:
-            results = self._execute(lambda: batch.run(batch.items), batch.works[0].name)
+            results = batch.run(batch.items)
             if len(results) < len(batch.items):     # the ranks agreed on a prefix
                 rest = batch.split(len(results))
                 with self._lock:
@@ -239,7 +262,8 @@ class Engine:
             for work in batch.works:
                 work._finish(error=error, signal=False)
         finally:
+            self._running = self._runner = None
             batch.done.set()
             with self._lock:
-                self._busy = False
+                self._idle.append(True)
                 self._cv.notify_all()

@@ -194,6 +194,60 @@ def _allreduce_one(item: _Allreduce):
     return item.out
 
 
+class _Route(NamedTuple):
+    """How an (op, dtype) allreduce goes to ``_C.mpi_allreduce``: mpi4py's handles."""
+    datatype: int
+    op: int
+    itemsize: int
+    average: bool
+
+
+_routes: dict = {}                # (ReduceOp, dtype) -> _Route
+_IN_PLACE = int(MPI.IN_PLACE)
+# "" once _C has found MPI_Allreduce in the MPI that mpi4py loaded; else why not (the
+# short path below is then off, and every allreduce goes through mpi4py).
+_MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
+
+
+def _allreduce_now(x, op, group, name, inplace):
+    """The short path of a blocking allreduce: a contiguous CPU tensor of one piece, while
+    the engine is idle, goes straight to MPI_Allreduce from _C. At a few bytes the general
+    path's planning and mpi4py's argument handling cost several times the reduction.
+    The result (x itself in place), or None where the short path does not apply: the
+    general path then runs it, and says what is wrong with bad input."""
+    view = tensors.host_view(x, writable=inplace)
+    if view is None or op.__class__ is not ReduceOp or _MPI_FROM_C or config.get("check"):
+        return None
+    ptr, nbytes, dtype = view
+    route = _routes.get((op, dtype)) or _route(op, dtype)
+    if nbytes > config.get("chunk_bytes"):
+        return None
+    grp, engine = runtime.resolve(group), runtime.engine()
+    if not engine.claim(name or "allreduce"):
+        return None
+    try:
+        if inplace:
+            out, send, recv = x, _IN_PLACE, ptr
+        else:
+            out = tensors.empty_like(x, x.shape)
+            send, recv = ptr, tensors.host_view(out)[0]
+        code = _C.mpi_allreduce(send, recv, nbytes // route.itemsize, route.datatype, route.op,
+                                MPI._handleof(grp.comm))
+    finally:
+        engine.release()
+    if code:
+        raise MPI.Exception(code)
+    if route.average:
+        _C.scale(recv, nbytes // route.itemsize, dtype, 1.0 / len(grp.ranks))
+    return out
+
+
+def _route(op: ReduceOp, dtype: str) -> _Route:
+    _check_reduction(op, dtype)
+    route = _routes[op, dtype] = _Route(MPI._handleof(_MPI_TYPES[dtype]),
+                                        MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
+                                        op is Average)
+    return route
 class _Many(NamedTuple):
     """Same-key allreduces as parallel lists (addresses and byte sizes), the form packing
     wants: a fused batch, or a grouped call read in one pass (``tensors.host_pointers``)."""
@@ -550,12 +604,17 @@ def _submit_allreduce(item: _Allreduce) -> Work:
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     """Reduce ``x`` over the ranks of ``group``; a new tensor holds the result."""
+    out = _allreduce_now(x, op, group, name, inplace=False)
+    if out is not None:
+        return out
     item = _allreduce_item(x, op, group, name, inplace=False)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 
 
 def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
+    if _allreduce_now(x, op, group, name, inplace=True) is not None:
+        return x
     item = _allreduce_item(x, op, group, name, inplace=True)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 

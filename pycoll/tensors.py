@@ -217,6 +217,21 @@ def _reader(x) -> Callable[[Any], Buffer]:
 _READERS: dict = {}
 
 
+def host_view(x, writable: bool = False) -> Optional[Tuple[int, int, str]]:
+    """(address, nbytes, dtype) of a contiguous CPU numpy array or torch tensor, read
+    cheaply: for a small blocking allreduce that is most of its cost outside MPI. None
+    for anything else, which ``as_buffer`` then reads (and, if need be, refuses); a
+    TypeError, as from ``as_buffer``, for what pycoll cannot read at all."""
+    if x.__class__ is np.ndarray:
+        found, name = _C.address(x), _NUMPY_DTYPES.get(x.dtype)
+        if found is None or name is None or writable and found[1]:
+            return None
+        return found[0], x.nbytes, name
+    if (_READERS.get(x.__class__) or _reader(x)) is _from_torch and x.is_cpu and x.is_contiguous():
+        return x.data_ptr(), x.nbytes, _TORCH_DTYPES.get(x.dtype) or _torch_dtype(x)
+    return None
+
+
 def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
     """(addresses, byte sizes, dtype) of writable, contiguous CPU tensors, all of one
     class and dtype, read in one pass: a grouped call over many small tensors spends most

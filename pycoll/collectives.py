@@ -232,7 +232,7 @@ def _allreduce_now(x, op, group, name, inplace):
             out = tensors.empty_like(x, x.shape)
             send, recv = ptr, tensors.host_view(out)[0]
         code = _C.mpi_allreduce(send, recv, nbytes // route.itemsize, route.datatype, route.op,
-                                MPI._handleof(grp.comm))
+                                grp.handle)
     finally:
         engine.release()
     if code:

@@ -18,6 +18,10 @@ class Group:
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
+        self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
+        if comm is not None:
+            from mpi4py import MPI
+            self.handle = MPI._handleof(comm)
         self._checker: Optional[Checker] = None
         if comm is not None and config.get("check"):
             self._checker = Checker(comm, ranks)

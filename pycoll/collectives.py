@@ -219,7 +219,7 @@ def _allreduce_now(x, op, group, name, inplace):
     if view is None or op.__class__ is not ReduceOp or _MPI_FROM_C or config.get("check"):
         return None
     ptr, nbytes, dtype = view
-    route = _routes.get((op, dtype)) or _route(op, dtype)
+    datatype, mpi_op, itemsize, average = _routes.get((op, dtype)) or _route(op, dtype)
     if nbytes > config.get("chunk_bytes"):
         return None
     grp, engine = runtime.resolve(group), runtime.engine()
@@ -231,14 +231,13 @@ def _allreduce_now(x, op, group, name, inplace):
         else:
             out = tensors.empty_like(x, x.shape)
             send, recv = ptr, tensors.host_view(out)[0]
-        code = _C.mpi_allreduce(send, recv, nbytes // route.itemsize, route.datatype, route.op,
-                                grp.handle)
+        code = _C.mpi_allreduce(send, recv, nbytes // itemsize, datatype, mpi_op, grp.handle)
     finally:
         engine.release()
     if code:
         raise MPI.Exception(code)
-    if route.average:
-        _C.scale(recv, nbytes // route.itemsize, dtype, 1.0 / len(grp.ranks))
+    if average:
+        _C.scale(recv, nbytes // itemsize, dtype, 1.0 / len(grp.ranks))
     return out
 
 

@@ -247,6 +247,8 @@ def _route(op: ReduceOp, dtype: str) -> _Route:
                                         MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
                                         op is Average)
     return route
+
+
 class _Many(NamedTuple):
     """Same-key allreduces as parallel lists (addresses and byte sizes), the form packing
     wants: a fused batch, or a grouped call read in one pass (``tensors.host_pointers``)."""

@@ -122,11 +122,7 @@ class Engine:
         """Take the engine for one operation that the caller runs now, in its own thread,
         if nothing is queued, open or running (then nothing issued earlier is left to run
         first); False otherwise. ``release`` gives it back. A blocking call's short path."""
-        if self._ready or self._open is not None:
-            return False
-        try:
-            self._idle.pop()
-        except IndexError:
+        if self._ready or self._open is not None or not self._take():
             return False
         if self._ready or self._open is not None:   # issued meanwhile by another thread
             self.release()

@@ -227,7 +227,8 @@ def host_view(x, writable: bool = False) -> Optional[Tuple[int, int, str]]:
         if found is None or name is None or writable and found[1]:
             return None
         return found[0], x.nbytes, name
-    if (_READERS.get(x.__class__) or _reader(x)) is _from_torch and x.is_cpu and x.is_contiguous():
+    reader = _READERS.get(x.__class__) or _reader(x)
+    if reader is _from_torch and x.is_cpu and x.is_contiguous():
         return x.data_ptr(), x.nbytes, _TORCH_DTYPES.get(x.dtype) or _torch_dtype(x)
     return None
 

@@ -122,9 +122,9 @@ class Engine:
         """Take the engine for one operation that the caller runs now, in its own thread,
         if nothing is queued, open or running (then nothing issued earlier is left to run
         first); False otherwise. ``release`` gives it back. A blocking call's short path."""
-        if self._ready or self._open is not None or not self._take():
+        if not self._take():
             return False
-        if self._ready or self._open is not None:   # issued meanwhile by another thread
+        if self._ready or self._open is not None:   # issued earlier: that runs first
             self.release()
             return False
         self._running = (name, time.monotonic())

@@ -237,7 +237,7 @@ def _allreduce_now(x, op, group, name, inplace):
     if code:
         raise MPI.Exception(code)
     if average:
-        _C.scale(recv, nbytes // itemsize, dtype, 1.0 / len(grp.ranks))
+        _C.scale(recv, nbytes // itemsize, dtype, 1.0 / grp.size())
     return out
 
 

@@ -1,14 +1,14 @@
-// pycoll._C: the only file that sees Python objects. Pointers arrive as Python ints;
-// names are parsed here (ValueError on unknown ones); every kernel runs without the GIL.
+// pycoll._C: with short_path.cpp, the only files that see Python objects. Pointers arrive as
+// Python ints; names are parsed here (ValueError on unknown ones); every kernel runs without the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <climits>
 #include <string>
 #include <vector>
 
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "short_path.h"
 
 namespace py = pybind11;
 using namespace pycoll;
@@ -45,32 +45,6 @@ PyObject* address(PyObject*, PyObject* obj) {
     return found;
 }
 
-PyObject* mpi_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "mpi_allreduce(send, recv, count, datatype, op, comm) takes 6 ints");
-        return nullptr;
-    }
-    if (!mpi::bound()) {
-        PyErr_SetString(PyExc_RuntimeError, "mpi_allreduce before mpi_bind found MPI");
-        return nullptr;
-    }
-    intptr_t v[6];
-    for (int i = 0; i < 6; ++i) {
-        v[i] = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(args[i]));  // takes negative ints too (MPICH handles)
-        if (v[i] == 0 && PyErr_Occurred()) return nullptr;
-    }
-    if (v[2] < 0 || v[2] > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "mpi_allreduce: count must be in [0, 2^31)");
-        return nullptr;
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = mpi::allreduce(reinterpret_cast<const void*>(v[0]), reinterpret_cast<void*>(v[1]), static_cast<int>(v[2]),
-                        v[3], v[4], v[5]);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -90,10 +64,20 @@ PYBIND11_MODULE(_C, m) {
         {"address", address, METH_O,
          "(address, readonly) of a C-contiguous buffer-protocol object (numpy's __array_interface__ costs ten "
          "times more); None if it is not one."},
-        {"mpi_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(mpi_allreduce)), METH_FASTCALL,
-         "mpi_allreduce(send, recv, count, datatype, op, comm) -> MPI error code: MPI_Allreduce on addresses and "
-         "mpi4py's .handle values, without the GIL; after mpi_bind."},
+        {"allreduce_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::allreduce_now)),
+         METH_FASTCALL,
+         "allreduce_now(x, inplace, op, group, name): a blocking allreduce of a contiguous host tensor straight to "
+         "MPI_Allreduce, without the GIL, while the engine is idle; the result (x itself in place), or None where "
+         "the general path must run it. After short_path_setup."},
+        {"engine_claim", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::engine_claim)),
+         METH_FASTCALL, "engine_claim(engine, name) -> bool: Engine.claim."},
+        {"engine_release", short_path::engine_release, METH_O, "engine_release(engine): Engine.release."},
+        {"short_path_runs", short_path::count, METH_NOARGS,
+         "How many allreduces allreduce_now has run in this process."},
+        {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
+         METH_VARARGS | METH_KEYWORDS, "The Python objects allreduce_now reads (collectives.py passes them once)."},
     };
+    if (!short_path::init()) throw py::error_already_set();
     for (auto& def : fast) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
     m.def(
         "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },

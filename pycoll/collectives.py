@@ -195,58 +195,48 @@ def _allreduce_one(item: _Allreduce):
 
 
 class _Route(NamedTuple):
-    """How an (op, dtype) allreduce goes to ``_C.mpi_allreduce``: mpi4py's handles."""
+    """How an (op, dtype) allreduce goes to MPI_Allreduce from _C: mpi4py's handles."""
     datatype: int
     op: int
     itemsize: int
     average: bool
+    dtype: str
 
 
-_routes: dict = {}                # (ReduceOp, dtype) -> _Route
-_IN_PLACE = int(MPI.IN_PLACE)
+# (op, x.dtype) -> _Route: what the short path (_C.allreduce_now) looks up, filled by
+# _short_route the first time it meets a pair.
+_routes: dict = {}
 # "" once _C has found MPI_Allreduce in the MPI that mpi4py loaded; else why not (the
-# short path below is then off, and every allreduce goes through mpi4py).
+# short path is then off, and every allreduce goes through mpi4py).
 _MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
 
 
-def _allreduce_now(x, op, group, name, inplace):
-    """The short path of a blocking allreduce: a contiguous CPU tensor of one piece, while
-    the engine is idle, goes straight to MPI_Allreduce from _C. At a few bytes the general
-    path's planning and mpi4py's argument handling cost several times the reduction.
-    The result (x itself in place), or None where the short path does not apply: the
-    general path then runs it, and says what is wrong with bad input."""
-    view = tensors.host_view(x, writable=inplace)
-    if view is None or op.__class__ is not ReduceOp or _MPI_FROM_C or config.get("check"):
+def _short_route(op, x) -> Optional[_Route]:
+    """The route of allreduce ``op`` on host tensor ``x``, kept in ``_routes``; None where
+    the short path leaves ``x`` to the general path (which says what is wrong, if
+    anything). Raises as the general path would for an unknown op or one the dtype cannot
+    take."""
+    view = tensors.host_view(x)
+    if view is None:
         return None
-    ptr, nbytes, dtype = view
-    datatype, mpi_op, itemsize, average = _routes.get((op, dtype)) or _route(op, dtype)
-    if nbytes > config.get("chunk_bytes"):
-        return None
-    grp, engine = runtime.resolve(group), runtime.engine()
-    if not engine.claim(name or "allreduce"):
-        return None
-    try:
-        if inplace:
-            out, send, recv = x, _IN_PLACE, ptr
-        else:
-            out = tensors.empty_like(x, x.shape)
-            send, recv = ptr, tensors.host_view(out)[0]
-        code = _C.mpi_allreduce(send, recv, nbytes // itemsize, datatype, mpi_op, grp.handle)
-    finally:
-        engine.release()
-    if code:
-        raise MPI.Exception(code)
-    if average:
-        _C.scale(recv, nbytes // itemsize, dtype, 1.0 / grp.size())
-    return out
-
-
-def _route(op: ReduceOp, dtype: str) -> _Route:
+    op, dtype = _reduce_op(op), view[2]      # "sum" finds ReduceOp.SUM's route: they are equal
     _check_reduction(op, dtype)
-    route = _routes[op, dtype] = _Route(MPI._handleof(_MPI_TYPES[dtype]),
-                                        MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
-                                        op is Average)
+    route = _routes[op, x.dtype] = _Route(MPI._handleof(_MPI_TYPES[dtype]),
+                                          MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
+                                          op is Average, dtype)
     return route
+
+
+# The blocking allreduce's short path, in C (csrc/short_path.cpp): a contiguous host
+# tensor of one piece, while the engine is idle, goes straight to MPI_Allreduce. At a few
+# bytes the general path's planning and mpi4py's argument handling cost several times
+# the reduction. These are the objects it reads.
+_C.short_path_setup(ndarray=np.ndarray, readers=tensors._READERS, find_reader=tensors._reader,
+                    torch_reader=tensors._from_torch, routes=_routes, find_route=_short_route,
+                    overrides=config._overrides, environment=config._from_environment,
+                    get_knob=config.get, state=runtime._state, resolve=runtime.resolve,
+                    empty_like=tensors.empty_like, mpi_error=MPI.Exception,
+                    in_place=int(MPI.IN_PLACE))
 
 
 class _Many(NamedTuple):
@@ -605,7 +595,7 @@ def _submit_allreduce(item: _Allreduce) -> Work:
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     """Reduce ``x`` over the ranks of ``group``; a new tensor holds the result."""
-    out = _allreduce_now(x, op, group, name, inplace=False)
+    out = _C.allreduce_now(x, False, op, group, name)
     if out is not None:
         return out
     item = _allreduce_item(x, op, group, name, inplace=False)
@@ -614,7 +604,7 @@ def allreduce(x, op=Average, group=None, name: Optional[str] = None):
 
 def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
-    if _allreduce_now(x, op, group, name, inplace=True) is not None:
+    if _C.allreduce_now(x, True, op, group, name) is not None:
         return x
     item = _allreduce_item(x, op, group, name, inplace=True)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)

@@ -86,6 +86,8 @@ KNOBS = {k.name: k for k in (
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
 )}
 
+# Changed in place, never rebound: the allreduce short path in _C holds these two and
+# reads them as get() does (csrc/short_path.cpp, knob()).
 _overrides: dict = {}
 _from_environment: dict = {}     # parsed once: get() sits on every collective's path
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import numpy as np
 
-from . import config, tensors
+from . import _C, config, tensors
 from .work import Work
 
 
@@ -64,6 +64,7 @@ class Engine:
         self._open: Optional[_Batch] = None       # fusable batch still taking items
         # One token while nothing runs: whoever pops it runs the next operation. A claim by a
         # caller (the blocking short path) then costs a deque pop, not two lock round trips.
+        # _C's claim keeps this deque and _ready once looked up: neither is ever rebound.
         self._idle = collections.deque([True])
         # ``with self._lock`` is the C lock itself; the Condition's own __enter__ is a
         # Python call, and this lock is taken on every collective's path.
@@ -121,22 +122,20 @@ class Engine:
     def claim(self, name: str) -> bool:
         """Take the engine for one operation that the caller runs now, in its own thread,
         if nothing is queued, open or running (then nothing issued earlier is left to run
-        first); False otherwise. ``release`` gives it back. A blocking call's short path."""
-        if not self._take():
-            return False
-        if self._ready or self._open is not None:   # issued earlier: that runs first
-            self.release()
-            return False
-        self._running = (name, time.monotonic())
-        return True
+        first); False otherwise. ``release`` gives it back. In C, beside the blocking
+        allreduce's short path that claims it too (csrc/short_path.cpp): it pops
+        ``_idle``, reads ``_ready`` and ``_open``, sets ``_running`` and calls
+        ``_notify``."""
+        return _C.engine_claim(self, name)
 
     def release(self) -> None:
         """End what ``claim`` began."""
-        self._running = None
-        self._idle.append(True)
-        if self._ready:                 # queued meanwhile by another thread
-            with self._lock:
-                self._cv.notify_all()
+        _C.engine_release(self)
+
+    def _notify(self) -> None:
+        """Wake the engine's thread for work queued while a caller held the token."""
+        with self._lock:
+            self._cv.notify_all()
 
     def _take(self) -> bool:
         """Pop the idle token if it is there (atomic: no lock needed)."""

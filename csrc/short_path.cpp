@@ -219,8 +219,9 @@ int claim(PyObject* engine, PyObject* name) {
         return 0;
     }
     Ref open(PyObject_GetAttr(engine, s.open));
-    if (!open) return -1;
-    if (PyObject_Length(e->queued) != 0 || open.get() != Py_None)  // issued earlier: that runs first
+    const Py_ssize_t queued = open ? PyObject_Length(e->queued) : -1;
+    if (queued < 0) return -1;
+    if (queued || open.get() != Py_None)  // issued earlier: that runs first
         return release(engine) < 0 ? -1 : 0;
     Ref start(PyFloat_FromDouble(monotonic()));
     Ref running(start ? PyTuple_Pack(2, name, start.get()) : nullptr);
@@ -238,7 +239,8 @@ int release(PyObject* engine) {
     if (!e || PyObject_SetAttr(engine, s.running, Py_None) < 0) return -1;
     Ref back(PyObject_CallOneArg(e->append, Py_True));
     if (!back) return -1;
-    if (PyObject_Length(e->queued) == 0) return 0;  // else queued meanwhile by another thread
+    const Py_ssize_t queued = PyObject_Length(e->queued);  // meanwhile, by another thread
+    if (queued <= 0) return queued < 0 ? -1 : 0;
     Ref done(PyObject_CallMethodNoArgs(engine, s.notify));
     return done ? 0 : -1;
 }

@@ -39,7 +39,7 @@ struct Context {
     PyObject* find_reader = nullptr;    // tensors._reader(x): a class met first, added to readers
     PyObject* torch_reader = nullptr;   // tensors._from_torch: classes read with torch's accessors
     PyObject* routes = nullptr;         // (op, x.dtype) -> collectives._Route
-    PyObject* find_route = nullptr;     // collectives._short_route(op, x): adds to routes, or None
+    PyObject* find_route = nullptr;     // collectives._short_route(op, x): the route, added to routes
     PyObject* overrides = nullptr;      // config._overrides, then
     PyObject* environment = nullptr;    // config._from_environment, else
     PyObject* get_knob = nullptr;       // config.get, which fills it
@@ -136,7 +136,7 @@ int read_host(PyObject* x, bool writable, Host& out) {
     return out.dtype ? 0 : -1;
 }
 
-// The route of (op, dtype); nullptr with no error: none.
+// The route of (op, dtype); nullptr with no error: an op that is not even hashable.
 PyObject* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     Ref key(PyTuple_Pack(2, op, dtype));
     if (!key) return nullptr;
@@ -148,7 +148,11 @@ PyObject* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     }
     PyObject* args[] = {op, x};
     Ref found(PyObject_Vectorcall(ctx.find_route, args, 2, nullptr));
-    return found && found.get() != Py_None ? found.release() : nullptr;
+    if (found && !(PyTuple_Check(found.get()) && PyTuple_GET_SIZE(found.get()) == 5)) {
+        PyErr_SetString(PyExc_TypeError, "short path: find_route must return a collectives._Route");
+        return nullptr;
+    }
+    return found.release();
 }
 
 PyObject* none() { Py_RETURN_NONE; }

@@ -211,15 +211,11 @@ _routes: dict = {}
 _MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
 
 
-def _short_route(op, x) -> Optional[_Route]:
-    """The route of allreduce ``op`` on host tensor ``x``, kept in ``_routes``; None where
-    the short path leaves ``x`` to the general path (which says what is wrong, if
-    anything). Raises as the general path would for an unknown op or one the dtype cannot
-    take."""
-    view = tensors.host_view(x)
-    if view is None:
-        return None
-    op, dtype = _reduce_op(op), view[2]      # "sum" finds ReduceOp.SUM's route: they are equal
+def _short_route(op, x) -> _Route:
+    """The route of allreduce ``op`` on ``x``, a host tensor the short path has read, kept
+    in ``_routes``. Raises as the general path would for an unknown op or one the dtype
+    cannot take."""
+    op, dtype = _reduce_op(op), as_buffer(x).dtype   # "sum" is ReduceOp.SUM's key too
     _check_reduction(op, dtype)
     route = _routes[op, x.dtype] = _Route(MPI._handleof(_MPI_TYPES[dtype]),
                                           MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],

@@ -214,23 +214,7 @@ def _reader(x) -> Callable[[Any], Buffer]:
     return reader
 
 
-_READERS: dict = {}
-
-
-def host_view(x, writable: bool = False) -> Optional[Tuple[int, int, str]]:
-    """(address, nbytes, dtype) of a contiguous CPU numpy array or torch tensor, read
-    cheaply: for a small blocking allreduce that is most of its cost outside MPI. None
-    for anything else, which ``as_buffer`` then reads (and, if need be, refuses); a
-    TypeError, as from ``as_buffer``, for what pycoll cannot read at all."""
-    if x.__class__ is np.ndarray:
-        found, name = _C.address(x), _NUMPY_DTYPES.get(x.dtype)
-        if found is None or name is None or writable and found[1]:
-            return None
-        return found[0], x.nbytes, name
-    reader = _READERS.get(x.__class__) or _reader(x)
-    if reader is _from_torch and x.is_cpu and x.is_contiguous():
-        return x.data_ptr(), x.nbytes, _TORCH_DTYPES.get(x.dtype) or _torch_dtype(x)
-    return None
+_READERS: dict = {}      # class -> reader; the allreduce short path in _C looks here too
 
 
 def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:

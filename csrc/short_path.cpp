@@ -209,7 +209,9 @@ const GroupParts* parts_of_group(PyObject* group) {
     return &last_group;
 }
 
-}  // namespace
+// claim and release, shared by allreduce_now and the engine_* functions: 1 claimed, 0 not,
+// -1 error.
+int release(PyObject* engine);
 
 // The idle token, if nothing issued earlier is queued or open. Here and in release no
 // Python code runs between parts_of and the last use of its parts.
@@ -248,6 +250,8 @@ int release(PyObject* engine) {
     Ref done(PyObject_CallMethodNoArgs(engine, s.notify));
     return done ? 0 : -1;
 }
+
+}  // namespace
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "readers", "find_reader", "torch_reader", "routes", "find_route", "overrides",

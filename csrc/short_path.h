@@ -19,8 +19,4 @@ PyObject* engine_release(PyObject*, PyObject* engine);
 // short_path_runs() -> how many allreduces the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 
-// Shared by allreduce_now and the engine_* functions: 1 claimed, 0 not, -1 error.
-int claim(PyObject* engine, PyObject* name);
-int release(PyObject* engine);
-
 }  // namespace pycoll::short_path

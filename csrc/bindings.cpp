@@ -184,5 +184,13 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("device"), py::arg("after") = nullptr, Release(),
         "cudaMemcpyAsync on cuda_copy_stream(device), once `after` (a CudaEvent or None) has happened.");
+    m.def(
+        "cuda_scale_async",
+        [](const Ptrs& ptrs, const Sizes& nbytes, const std::string& dtype, double factor, int device) {
+            cuda::scale_async(mut_ptrs(ptrs), nbytes, parse_dtype(dtype), factor, device);
+        },
+        py::arg("ptrs"), py::arg("nbytes"), py::arg("dtype"), py::arg("factor"), py::arg("device"), Release(),
+        "In place ptrs[i] *= factor (nbytes[i] bytes each, float dtypes) on cuda_copy_stream(device), after the "
+        "copies started there.");
 #endif
 }

@@ -21,12 +21,12 @@ void check_float(DType dt, const char* what) {
                                     name(dt));
 }
 
-void check_unpack(const std::vector<size_t>& nbytes, DType dt, double scale) {
-    if (scale != 1.0) check_float(dt, "unpack with scale != 1");
+void check_scaled_sizes(const std::vector<size_t>& nbytes, DType dt, double scale, const char* what) {
+    if (scale != 1.0) check_float(dt, (std::string(what) + " with scale != 1").c_str());
     const size_t size = itemsize(dt);
     for (size_t i = 0; i < nbytes.size(); ++i)
         if (nbytes[i] % size)
-            throw std::invalid_argument("unpack: nbytes[" + std::to_string(i) + "] = " + std::to_string(nbytes[i]) +
+            throw std::invalid_argument(std::string(what) + ": nbytes[" + std::to_string(i) + "] = " + std::to_string(nbytes[i]) +
                                         " is not a multiple of the " + name(dt) + " itemsize " + std::to_string(size));
 }
 
@@ -56,7 +56,7 @@ void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<siz
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
             double scale, size_t begin, size_t end) {
     check_same_length(dsts.size(), nbytes.size(), "unpack");
-    check_unpack(nbytes, dt, scale);
+    check_scaled_sizes(nbytes, dt, scale, "unpack");
     if (begin % itemsize(dt) || (end != SIZE_MAX && end % itemsize(dt)))
         throw std::invalid_argument("unpack: the window [" + std::to_string(begin) + ", " + std::to_string(end) +
                                     ") does not fall on " + name(dt) + " element boundaries");

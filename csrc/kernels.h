@@ -15,8 +15,9 @@ namespace pycoll {
 // ---- argument checks, shared by CPU and CUDA ------------------------------------------
 void check_same_length(size_t a, size_t b, const char* what);
 void check_float(DType dt, const char* what);
-// unpack: nbytes multiples of itemsize(dt); scale != 1 needs a float dtype.
-void check_unpack(const std::vector<size_t>& nbytes, DType dt, double scale);
+// unpack and the scaled copies: nbytes multiples of itemsize(dt); scale != 1 needs a
+// float dtype. `what` names the caller in the message.
+void check_scaled_sizes(const std::vector<size_t>& nbytes, DType dt, double scale, const char* what);
 // cast: float32 <-> float16/bfloat16 only.
 void check_cast(DType src, DType dst);
 
@@ -69,6 +70,10 @@ class Event {
 };
 // cudaMemcpyAsync on copy_stream(device), after `after` (nullptr: no wait).
 void copy_async(void* dst, const void* src, size_t nbytes, int device, const Event* after);
+// ptrs[i] *= factor over nbytes[i] bytes each, in place, on copy_stream(device) after the
+// copies started there: Average's scale on the GPU once a staged result is copied back.
+void scale_async(const std::vector<void*>& ptrs, const std::vector<size_t>& nbytes, DType dt, double factor,
+                 int device);
 }  // namespace cuda
 #endif
 

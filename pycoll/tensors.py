@@ -342,12 +342,19 @@ class _CudaStager:
     waits only for the event it is given (a Buffer's ``ready``), so the copy of one
     gradient starts as soon as backward has written it, not after the rest of backward."""
 
+    scales = True       # has ``scale``: on the GPU, in stream order
+
     def __init__(self, device: int):
         self.device, self.stream = device, _C.cuda_copy_stream(device)
 
     def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:
         """Start the copy; it runs after ``after`` and after the copies started before."""
         _C.cuda_copy(dst, src, nbytes, self.device, after)
+
+    def scale(self, ptrs: List[int], sizes: List[int], dtype: str, factor: float) -> None:
+        """Start multiplying GPU memory ``ptrs[i]`` (``sizes[i]`` bytes) by ``factor``,
+        after the copies started before."""
+        _C.cuda_scale_async(ptrs, sizes, dtype, factor, self.device)
 
     def mark(self):
         """A token that ``wait`` takes: the copies started so far."""
@@ -362,7 +369,10 @@ class _CudaStager:
 
 
 class _CupyStager:
-    """Synchronous copies through cupy, for a pycoll built without its CUDA kernels."""
+    """Synchronous copies through cupy, for a pycoll built without its CUDA kernels (and
+    so without a GPU scale: callers scale on the host before copying back)."""
+
+    scales = False
 
     def __init__(self, device: int):
         try:

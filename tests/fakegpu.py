@@ -31,10 +31,15 @@ def empty(shape, dtype):
 
 
 class CountingStager:
-    """Stands in for ``pycoll.tensors.stager(device)``: copies at once, counting them."""
+    """Stands in for ``pycoll.tensors.stager(device)``: copies and scales at once,
+    counting the copies and the bytes scaled. ``scales = False`` plays a stager with no
+    GPU scale (the cupy one)."""
+
+    scales = True
 
     def __init__(self):
         self.calls = 0
+        self.scaled_bytes = 0
 
     def __call__(self, device: int) -> "CountingStager":
         return self
@@ -42,6 +47,13 @@ class CountingStager:
     def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:
         self.calls += 1
         ctypes.memmove(dst, src, nbytes)
+
+    def scale(self, ptrs, sizes, dtype, factor) -> None:
+        from pycoll import _C
+        itemsize = np.dtype(dtype).itemsize
+        for ptr, nbytes in zip(ptrs, sizes):
+            _C.scale(ptr, nbytes // itemsize, dtype, factor)
+            self.scaled_bytes += nbytes
 
     def mark(self):
         return None

@@ -123,6 +123,26 @@ def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatc
         assert_matches(x, expected_reduce("float32", x.shape, size, op), "float32")
 
 
+@pytest.mark.parametrize("scales", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_staged_average_scales_on_the_gpu_where_the_stager_can(group, fake_device,
+                                                                monkeypatch, scales, dtype):
+    """Average's division of a staged result runs on the GPU after the copy back (every
+    byte once), or on the host before it with a stager that cannot scale; same results."""
+    arg, rank, size = group
+    fake_device.scales = scales
+    monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", 256)
+    xs = [make(rank_input(dtype, (n,), rank, "Average"), dtype, "fake_cuda") for n in (100, 7, 300)]
+    for w in [pycoll.allreduce_async_(x, group=arg) for x in xs]:
+        w.wait()
+    for x in xs:
+        assert_matches(x, expected_reduce(dtype, x.shape, size, "Average"), dtype)
+    scaled = 407 * np.dtype(dtype).itemsize if scales and size > 1 else 0  # 1 rank: x 1
+    assert fake_device.scaled_bytes == scaled
+    pycoll.allreduce_(xs[0], op=pycoll.Sum, group=arg)
+    assert fake_device.scaled_bytes == scaled                               # Sum: no scale
+
+
 @pytest.mark.parametrize("op", ["Sum", "Average"])
 def test_cuda_aware_mpi_gets_gpu_memory_and_averages_on_the_gpu(group, fake_device,
                                                                 monkeypatch, op):

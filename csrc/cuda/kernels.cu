@@ -148,6 +148,17 @@ void for_each_table(const std::vector<const char*>& srcs, const std::vector<char
     flush();
 }
 
+// One table's segments, dst = src * factor, on stream st.
+void launch_scale(const SegmentTable& t, bool is_aligned, DType dt, double factor, cudaStream_t st) {
+    const unsigned grid = unsigned(std::min(t.chunks, kMaxBlocks));
+    dispatch_float(dt, [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        with_alignment(is_aligned, [&](auto a) {
+            scale_segments_kernel<T, decltype(a)::value><<<grid, kThreads, 0, st>>>(t, arith_t<T>(factor));
+        });
+    });
+}
+
 }  // namespace
 
 void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes, uintptr_t stream) {
@@ -169,7 +180,7 @@ void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<siz
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<size_t>& nbytes, DType dt,
             double scale, uintptr_t stream) {
     check_same_length(dsts.size(), nbytes.size(), "cuda_unpack");
-    check_unpack(nbytes, dt, scale);
+    check_scaled_sizes(nbytes, dt, scale, "cuda_unpack");
     std::vector<const char*> s(dsts.size());
     std::vector<char*> d(dsts.size());
     const char* in = static_cast<const char*>(src);
@@ -180,17 +191,10 @@ void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<s
     }
     const cudaStream_t st = as_stream(stream);
     for_each_table(s, d, nbytes, itemsize(dt), [&](const SegmentTable& t, bool is_aligned) {
-        const unsigned grid = unsigned(std::min(t.chunks, kMaxBlocks));
-        if (scale == 1.0) {
-            copy_segments_kernel<<<grid, kThreads, 0, st>>>(t);
-        } else {
-            dispatch_float(dt, [&](auto tag) {
-                using T = typename decltype(tag)::type;
-                with_alignment(is_aligned, [&](auto a) {
-                    scale_segments_kernel<T, decltype(a)::value><<<grid, kThreads, 0, st>>>(t, arith_t<T>(scale));
-                });
-            });
-        }
+        if (scale == 1.0)
+            copy_segments_kernel<<<unsigned(std::min(t.chunks, kMaxBlocks)), kThreads, 0, st>>>(t);
+        else
+            launch_scale(t, is_aligned, dt, scale, st);
         check(cudaGetLastError(), "cuda_unpack launch");
     });
 }
@@ -320,6 +324,22 @@ void copy_async(void* dst, const void* src, size_t nbytes, int device, const Eve
     DeviceGuard on(device);
     if (after) check(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(after->handle()), 0), "cudaStreamWaitEvent");
     if (nbytes) check(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream), "cuda_copy");
+}
+
+void scale_async(const std::vector<void*>& ptrs, const std::vector<size_t>& nbytes, DType dt, double factor,
+                 int device) {
+    check_same_length(ptrs.size(), nbytes.size(), "cuda_scale_async");
+    check_float(dt, "cuda_scale_async");
+    check_scaled_sizes(nbytes, dt, factor, "cuda_scale_async");
+    std::vector<char*> d(ptrs.size());
+    for (size_t i = 0; i < ptrs.size(); ++i) d[i] = static_cast<char*>(ptrs[i]);
+    const std::vector<const char*> s(d.begin(), d.end());
+    const cudaStream_t stream = as_stream(copy_stream(device));
+    DeviceGuard on(device);
+    for_each_table(s, d, nbytes, itemsize(dt), [&](const SegmentTable& t, bool is_aligned) {
+        launch_scale(t, is_aligned, dt, factor, stream);
+        check(cudaGetLastError(), "cuda_scale_async launch");
+    });
 }
 
 void* host_alloc(size_t nbytes) {

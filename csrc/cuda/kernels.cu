@@ -329,7 +329,6 @@ void copy_async(void* dst, const void* src, size_t nbytes, int device, const Eve
 void scale_async(const std::vector<void*>& ptrs, const std::vector<size_t>& nbytes, DType dt, double factor,
                  int device) {
     check_same_length(ptrs.size(), nbytes.size(), "cuda_scale_async");
-    check_float(dt, "cuda_scale_async");
     check_scaled_sizes(nbytes, dt, factor, "cuda_scale_async");
     std::vector<char*> d(ptrs.size());
     for (size_t i = 0; i < ptrs.size(); ++i) d[i] = static_cast<char*>(ptrs[i]);

@@ -298,7 +298,7 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: floa
     back). Average's scale runs on the GPU once a piece is back, where the stager can: on
     the host it is a pass over every byte in the thread that feeds MPI."""
     stage, dtype = tensors.stager(many.device_id), many.dtype
-    scale_on_host = scale != 1.0 and not stage.scales
+    scale_on_gpu = scale != 1.0 and stage.scales     # else on the host, before the copy back
     room = max(nbytes for _, nbytes in pieces)
     halves = runtime.engine().fusion_buffer(2 * room, pinned=True).ctypes.data
     at_piece = [halves + k % 2 * room for k in range(len(pieces))]
@@ -314,12 +314,12 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: floa
         following = fetch(k + 1) if k + 1 < len(pieces) else None
         stage.wait(arrived)
         many.grp.comm.Allreduce(MPI.IN_PLACE, _msg(at_piece[k], nbytes, dtype), mpi_op)
-        if scale_on_host:
+        if scale != 1.0 and not scale_on_gpu:
             _C.scale(at_piece[k], nbytes // ITEMSIZE[dtype], dtype, scale)
         back = list(_segments(sizes, begin, begin + nbytes))
         for i, offset, at, n in back:
             stage.copy(dsts[i] + offset, at_piece[k] + at, n)
-        if scale != 1.0 and not scale_on_host:
+        if scale_on_gpu:
             stage.scale([dsts[i] + offset for i, offset, _, _ in back], [n for *_, n in back],
                         dtype, scale)
         arrived = following

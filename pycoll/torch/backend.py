@@ -7,8 +7,11 @@
 Every collective is issued to pycoll's engine as an async operation, followed by a
 small completion step queued behind it: the engine runs operations in issue order, so
 when the step runs the operation is done, and the step copies results into torch's
-output tensors and completes the ``torch.futures.Future`` that ``get_future()`` returns
-(the one DDP waits on) on the engine thread, without another thread switch.
+output tensors. The ``torch.futures.Future`` that ``get_future()`` returns (the one DDP
+waits on) is completed by a callback thread, never by the engine's: a future runs its
+callbacks in the thread that completes it, and DDP communication hooks issue collectives
+there and may wait for them (PowerSGD does), which on the engine's thread would wait for
+the engine itself.
 Allreduces of CPU tensors on a rank with no core to spare for overlap
 (``api.overlap_pays``) run blocking in the caller's thread instead, and return a
 completed Work: there the engine's thread would only time-slice with DDP's backward.
@@ -17,14 +20,21 @@ Collectives pycoll has no primitive for are built from one that moves no more da
 than needed: ``scatter`` is an alltoall in which only the root sends; ``reduce`` and
 ``gather`` are an allreduce and an allgather whose result only the root keeps.
 Point-to-point ``send``/``recv`` are MPI ``Isend``/``Irecv`` on the group's private
-communicator, posted from the calling thread (MPI_THREAD_MULTIPLE) and completed by
-one polling thread, so they never block the engine's collectives.
+communicator, made with the group (so only the two peers take part in a send), posted
+from the calling thread (MPI_THREAD_MULTIPLE) and completed by one polling thread, so
+they never block the engine's collectives.
+
+Fail-stop: a send or receive that times out is cancelled and leaves the group broken
+(every later operation on it raises, naming the failure), as NCCL aborts its
+communicator: a late message must never be taken for a later one's.
 """
+import atexit
 import datetime
 import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -59,18 +69,26 @@ def _seconds(timeout) -> Optional[float]:
     return timeout or None
 
 
-class PycollWork(dist.Work):
-    """A torch Work over the engine's completion step (``done``; None once the
-    operation has completed): ``wait(timeout)`` raises the operation's error or
-    ``pycoll.CollectiveTimeout``; ``get_future()`` is what DDP uses."""
+# A future runs its callbacks in the thread that completes it, and DDP hooks may wait there
+# for a collective of their own: each completion goes to an idle thread of this pool, or to
+# a new one while all are busy (a nested wait holds one).
+_callbacks = ThreadPoolExecutor(max_workers=64, thread_name_prefix="pycoll-torch-callbacks")
 
-    def __init__(self, future: torch.futures.Future, done: Optional[pycoll.Work]):
+
+class PycollWork(dist.Work):
+    """A torch Work over the engine's completion step (``done``; None once the operation
+    has completed): ``wait(timeout)`` raises the operation's error or
+    ``pycoll.CollectiveTimeout`` after ``timeout`` (default: the process group's);
+    ``get_future()`` is what DDP uses."""
+
+    def __init__(self, future: torch.futures.Future, done: Optional[pycoll.Work],
+                 timeout: Optional[float] = None, on_timeout=None):
         super().__init__()
-        self._future, self._done = future, done
+        self._future, self._done, self._timeout = future, done, timeout
+        self._on_timeout = on_timeout
 
     def wait(self, timeout=None) -> bool:
-        if self._done is not None:
-            self._done.wait(_seconds(timeout))
+        self.result(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -85,24 +103,37 @@ class PycollWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
-    def result(self):
-        return self._future.wait()
+    def result(self, timeout=None):
+        if self._done is None:
+            return self._future.value()
+        try:
+            return self._done.wait(_seconds(timeout) or self._timeout)
+        except pycoll.CollectiveTimeout as error:
+            if self._on_timeout is not None:
+                self._on_timeout(error)
+            raise
+
+    def _source_rank(self) -> int:
+        """recv_anysource's sender (torch's Work API)."""
+        self.wait()
+        return self._done.source
 
 
-def _complete(works: Sequence[pycoll.Work], finish: Callable[[list], object], name: str):
-    """Queue, behind ``works``, the step that runs ``finish(results)`` and completes the
-    future with what it returns (the output tensors)."""
+def _completion(works: Sequence[pycoll.Work], finish: Callable[[list], object], name: str,
+                timeout: Optional[float] = None):
+    """Queue, behind ``works``, the step that runs ``finish(results)`` and has the future
+    completed with what it returns (the output tensors)."""
     future = torch.futures.Future()
 
     def step():
         try:
             value = finish([w.wait() for w in works])
         except BaseException as error:
-            future.set_exception(error)
+            _callbacks.submit(future.set_exception, error)
             raise
-        future.set_result(value)
+        _callbacks.submit(future.set_result, value)
         return value
-    return PycollWork(future, runtime.engine().submit(step, name))
+    return PycollWork(future, runtime.engine().submit(step, name), timeout)
 
 
 def _completed(value) -> PycollWork:
@@ -135,10 +166,17 @@ def _one_tensor(tensors, what: str) -> torch.Tensor:
 class ProcessGroupPycoll(dist.ProcessGroup):
     """torch.distributed's collectives on a ``pycoll.Group``; ranks are group ranks."""
 
-    def __init__(self, group: pycoll.Group):
+    def __init__(self, group: pycoll.Group, timeout: Optional[float] = None):
         super().__init__(group.rank(), group.size())
         self.group = group
-        self._p2p_comm = None                     # created on first send/recv
+        self._timeout = timeout or None           # seconds; None: PYCOLL_TIMEOUT
+        # Made now, with the group, as every member does: made at the first send, it would
+        # be a collective that the ranks not in that send never join.
+        self._p2p_comm = runtime.engine().run(group.comm.Dup, "torch.p2p_comm")
+        self._p2p_failure: Optional[BaseException] = None
+
+    def _complete(self, works, finish, name) -> PycollWork:
+        return _completion(works, finish, name, self._timeout)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -159,7 +197,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             return _completed(tensors)
         work = pycoll.grouped_allreduce_async_(tensors, op=op, group=self.group,
                                                name="torch.allreduce")
-        return _complete([work], lambda _: tensors, "torch.allreduce")
+        return self._complete([work], lambda _: tensors, "torch.allreduce")
 
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")
@@ -171,7 +209,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             if self.group.rank() == root:
                 tensor.copy_(results[0])
             return [tensor]
-        return _complete([work], finish, "torch.reduce")
+        return self._complete([work], finish, "torch.reduce")
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -203,7 +241,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             if not direct:
                 output.copy_(results[0].view(output.shape))
             return [output]
-        return _complete([work], finish, "torch.reduce_scatter")
+        return self._complete([work], finish, "torch.reduce_scatter")
 
     # ------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts=None):
@@ -211,7 +249,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._check_root(root)
         works = [pycoll.broadcast_async_(t, root=root, group=self.group, name="torch.broadcast")
                  for t in tensors]
-        return _complete(works, lambda _: list(tensors), "torch.broadcast")
+        return self._complete(works, lambda _: list(tensors), "torch.broadcast")
 
     def allgather(self, output_lists, inputs, opts=None):
         outputs, tensor = _one_tensor(output_lists, "allgather"), _one_tensor(inputs, "allgather")
@@ -221,7 +259,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         def finish(results):
             _split_into(results[0], outputs)
             return [outputs]
-        return _complete([work], finish, "torch.allgather")
+        return self._complete([work], finish, "torch.allgather")
 
     def all_gather_single(self, output, input, opts=None):
         if output.numel() != input.numel() * self._ranks:
@@ -236,7 +274,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             if not direct:
                 output.copy_(results[0].view(output.shape))
             return [output]
-        return _complete([work], finish, "torch.all_gather_into_tensor")
+        return self._complete([work], finish, "torch.all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 
@@ -260,7 +298,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         def finish(results):
             _split_into(results[0], outputs)
             return [outputs]
-        return _complete([work], finish, "torch.gather")
+        return self._complete([work], finish, "torch.gather")
 
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank
@@ -292,7 +330,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                                  f"the ranks, received {list(received_splits)}")
             output.copy_(received.view(output.shape))
             return [output]
-        return _complete([work], finish, "torch.all_to_all_single")
+        return self._complete([work], finish, "torch.all_to_all_single")
 
     def _alltoall(self, send, splits, outputs, name):
         work = pycoll.alltoall_async(send, splits=splits, group=self.group, name=name)
@@ -300,18 +338,19 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         def finish(results):
             _split_into(results[0][0], outputs)
             return list(outputs)
-        return _complete([work], finish, name)
+        return self._complete([work], finish, name)
 
     def barrier(self, opts=None):
         work = pycoll.barrier_async(group=self.group, name="torch.barrier")
-        return _complete([work], lambda _: [], "torch.barrier")
+        return self._complete([work], lambda _: [], "torch.barrier")
 
     # ------------------------------------------------------------ point to point
     def send(self, tensors, dst, tag=0):
         tensor = _one_tensor(tensors, "send")
+        comm = self._p2p()
         host = tensor.detach().cpu().contiguous()
-        request = self._p2p().Isend(_message(host), dest=dst, tag=tag)
-        return _poller().watch(request, lambda status: [tensor], keep=host)
+        request = comm.Isend(_message(host), dest=dst, tag=tag)
+        return self._watch(request, lambda status: [tensor], host, f"send to rank {dst}")
 
     def recv(self, tensors, src, tag=0):
         return self._recv(_one_tensor(tensors, "recv"), src, tag)
@@ -321,15 +360,28 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._recv(_one_tensor(tensors, "recv"), MPI.ANY_SOURCE, tag)
 
     def _recv(self, tensor, src, tag):
+        comm = self._p2p()
         host = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() \
             else torch.empty(tensor.shape, dtype=tensor.dtype)
-        request = self._p2p().Irecv(_message(host), source=src, tag=tag)
+        request = comm.Irecv(_message(host), source=src, tag=tag)
 
         def finish(status):
             if host is not tensor:
                 tensor.copy_(host)
             return [tensor]
-        return _poller().watch(request, finish, keep=host)
+        return self._watch(request, finish, host, "receive from " + (
+            f"rank {src}" if src >= 0 else "any rank"))
+
+    def _watch(self, request, finish, keep, what: str) -> PycollWork:
+        work = pycoll.Work(f"torch {what} in {self.group}")
+
+        def timed_out(error):
+            if self._p2p_failure is None:
+                self._p2p_failure = error
+            request.Cancel()        # the poller completes it, so its buffer outlives it
+        future = torch.futures.Future()
+        _poller().watch(request, work, future, finish, keep)
+        return PycollWork(future, work, self._timeout, on_timeout=timed_out)
 
     def _p2p(self):
         """The group's own communicator for send/recv: their messages never match the
@@ -338,8 +390,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("send/recv on the pycoll backend need MPI_THREAD_MULTIPLE "
                                "(mpi4py's default); MPI was initialized with less")
-        if self._p2p_comm is None:
-            self._p2p_comm = runtime.engine().run(self.group.comm.Dup, "torch.p2p_comm")
+        if self._p2p_failure is not None:
+            raise RuntimeError(f"pycoll: send/recv on {self.group} are broken since an earlier "
+                               f"one failed ({self._p2p_failure}); its message may still "
+                               "arrive and must not be taken for a later one's. Make a new "
+                               "process group (or restart the job) to exchange messages again.")
         return self._p2p_comm
 
     # ------------------------------------------------------------ checks
@@ -361,53 +416,6 @@ def _message(tensor: torch.Tensor):
     return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), MPI.BYTE]
 
 
-class _P2PWork(dist.Work):
-    """A send or receive in flight; the poller completes it."""
-
-    def __init__(self, finish, keep):
-        super().__init__()
-        self.future = torch.futures.Future()
-        self._finish, self._keep = finish, keep
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-        self.source = -1
-
-    def complete(self, status) -> None:
-        self.source = status.Get_source()
-        try:
-            self.future.set_result(self._finish(status))
-        except BaseException as error:
-            self._error = error
-            self.future.set_exception(error)
-        self._keep = None
-        self._done.set()
-
-    def wait(self, timeout=None) -> bool:
-        timeout = _seconds(timeout) or pycoll.config.get("timeout")
-        if not self._done.wait(timeout):
-            raise pycoll.CollectiveTimeout(f"pycoll: send/recv did not complete within "
-                                           f"{timeout:g} s; is the peer posting its side?")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self):
-        return self._error
-
-    def get_future(self) -> torch.futures.Future:
-        return self.future
-
-    def _source_rank(self) -> int:
-        self.wait()
-        return self.source
-
-
 class _Poller:
     """One thread that tests the pending send/recv requests and completes their Works;
     it sleeps (backing off to 1 ms) while they are pending and blocks when none is."""
@@ -415,34 +423,60 @@ class _Poller:
     def __init__(self):
         self._pending: List[tuple] = []
         self._cv = threading.Condition()
-        threading.Thread(target=self._loop, name="pycoll-torch-p2p", daemon=True).start()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="pycoll-torch-p2p", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)      # after mpi4py's: runs before MPI is finalized
 
-    def watch(self, request, finish, keep) -> _P2PWork:
-        work = _P2PWork(finish, keep)
+    def watch(self, request, work: pycoll.Work, future, finish, keep) -> None:
+        """Complete ``work`` and ``future`` with ``finish(status)`` once ``request`` is
+        done, keeping ``keep`` (the buffer MPI reads or writes) alive until then."""
         with self._cv:
-            self._pending.append((request, work))
+            self._pending.append((request, work, future, finish, keep))
             self._cv.notify()
-        return work
+
+    def stop(self) -> None:
+        """End the thread, so that it is not inside MPI when MPI is finalized."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(pycoll.config.get("timeout"))
 
     def _loop(self) -> None:
         from mpi4py import MPI
         pause = 5e-5
         while True:
             with self._cv:
-                while not self._pending:
+                while not self._pending and not self._stopped:
                     self._cv.wait()
                     pause = 5e-5
+                if self._stopped:
+                    return
                 pending = list(self._pending)
             finished = []
-            for request, work in pending:
+            for entry in pending:
                 status = MPI.Status()
-                if request.Test(status):
-                    work.complete(status)
-                    finished.append(work)
+                if entry[0].Test(status):
+                    self._complete(status, *entry[1:4])
+                    finished.append(entry)
             with self._cv:
-                self._pending = [p for p in self._pending if p[1] not in finished]
+                self._pending = [p for p in self._pending if p not in finished]
             pause = 5e-5 if finished else min(2 * pause, 1e-3)
             time.sleep(pause)
+
+    @staticmethod
+    def _complete(status, work: pycoll.Work, future, finish) -> None:
+        try:
+            if status.Is_cancelled():
+                raise pycoll.CollectiveTimeout(f"pycoll: {work.name} was cancelled")
+            value = finish(status)
+        except BaseException as error:
+            work._finish(error=error)
+            _callbacks.submit(future.set_exception, error)
+            return
+        work.source = status.Get_source()
+        work._finish(value)
+        _callbacks.submit(future.set_result, value)
 
 
 _the_poller: Optional[_Poller] = None
@@ -476,7 +510,20 @@ def _create(options, backend_options=None) -> ProcessGroupPycoll:
             f"torch.distributed's rank {options.group_rank} in ranks {ranks} is not pycoll's "
             f"(rank {group.rank()} in {list(group.ranks)}); leave RANK and WORLD_SIZE to "
             "pycoll under pycollrun, or set them to the MPI rank and size")
-    return ProcessGroupPycoll(group)
+    return ProcessGroupPycoll(group, _group_timeout(getattr(options, "timeout", None)))
+
+
+def _group_timeout(timeout) -> Optional[float]:
+    """``init_process_group(timeout=...)`` in seconds; None (PYCOLL_TIMEOUT) when torch
+    passes its own default, which the user did not choose."""
+    from torch.distributed.constants import default_pg_timeout
+    if timeout is None or timeout == default_pg_timeout:
+        return None
+    seconds = _seconds(timeout)
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise ValueError(f"init_process_group's timeout must be a positive, finite timedelta; "
+                         f"got {timeout!r}")
+    return seconds
 
 
 def _launched_by_mpi() -> bool:

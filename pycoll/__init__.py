@@ -14,7 +14,7 @@ from .hetero import slowdown, slowdown_factor
 from .runtime import (Group, init, is_initialized, local_rank, local_size, new_group, rank,
                       shutdown, size)
 from .inspector import CollectiveMismatch
-from .work import CollectiveTimeout, Work
+from .work import CollectiveTimeout, GroupBroken, Work
 
 __version__ = "0.1.0"
 
@@ -32,7 +32,7 @@ _PARTIAL = ("partial_allreduce", "partial_allreduce_", "partial_allreduce_async"
 
 __all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",
            "local_rank", "local_size", "new_group", "rank", "shutdown", "size",
-           "CollectiveMismatch", "CollectiveTimeout", "Work", "has_cuda", *_COLLECTIVES, *_PARTIAL]
+           "CollectiveMismatch", "CollectiveTimeout", "GroupBroken", "Work", "has_cuda", *_COLLECTIVES, *_PARTIAL]
 
 
 def has_cuda() -> bool:

@@ -10,8 +10,10 @@ same ranks (in any order). Two paths:
   into chunks of ``CHUNK_BYTES``: reducing one chunk (``pycoll._C.reduce``, GIL released)
   overlaps receiving the next, and a chunk goes on to the next rank as soon as it is
   reduced. Every member gets the same bits (each block is reduced once, then copied).
-  Messages carry the group's tag, the bitmask of its ranks where that fits MPI's tag
-  range (a hash beyond), so groups that share ranks never take each other's messages.
+  Messages carry the group's tag: the bitmask of its ranks and the group's sequence
+  number (its count of uses, alike on every member) where they fit MPI's tag range, a
+  hash of both beyond; so groups that share ranks never take each other's messages, nor
+  one round of a group another's.
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -21,6 +23,12 @@ Partial all-reduces run on the engine in issue order, like every collective. Gro
 share ranks must be issued in the same relative order on their common members (a group
 generator that hands out groups in one global order guarantees it); otherwise they wait
 for each other and raise ``CollectiveTimeout`` after PYCOLL_TIMEOUT, naming the peer.
+
+Fail-stop: after a round fails on a member (a timeout: messages of that round may still
+be in flight), every later partial all-reduce of the same ranks on that member raises
+``GroupBroken`` naming the failure, and its peers time out waiting for it. A mismatch
+found by PYCOLL_CHECK is raised by every member after a complete exchange: the group
+stays usable.
 """
 import hashlib
 import time
@@ -35,7 +43,7 @@ from mpi4py import MPI
 from . import _C, config, runtime, tensors
 from .collectives import Average, _check_reduction, _mpi_op, _msg, _reduce_op, _staged
 from .inspector import CollectiveMismatch
-from .work import CollectiveTimeout, Work
+from .work import CollectiveTimeout, GroupBroken, Work
 
 # Large enough that per-message overhead is small, small enough that reduction and
 # transfer of consecutive chunks overlap for the model sizes Ripples averages.
@@ -49,6 +57,7 @@ class _Cache:
         self.comm = comm
         self.uses: Counter = Counter()
         self.comms: dict = {}
+        self.broken: dict = {}           # members -> the error that broke them here
 
 
 _cache: Optional[_Cache] = None
@@ -75,10 +84,13 @@ def _members(ranks: Sequence[int], me: int, size: int) -> Tuple[int, ...]:
     return members
 
 
-def group_tag(members: Tuple[int, ...], tag_ub: int) -> int:
-    """The group's message tag: its rank bitmask when that fits, else a hash."""
-    mask = sum(1 << r for r in members)
-    return mask if mask <= tag_ub else zlib.crc32(repr(members).encode()) % (tag_ub + 1)
+def group_tag(members: Tuple[int, ...], seq: int, world_size: int, tag_ub: int) -> int:
+    """The tag of round ``seq`` of the group: its rank bitmask and ``seq`` (modulo the
+    rounds that fit beside the mask) when they fit in ``tag_ub``, else a hash of both."""
+    rounds = (tag_ub + 1) >> world_size
+    if rounds >= 2:
+        return (seq % rounds << world_size) + sum(1 << r for r in members)
+    return zlib.crc32(repr((members, seq)).encode()) % (tag_ub + 1)
 
 
 def poll(test, deadline: float, what):
@@ -95,14 +107,23 @@ def poll(test, deadline: float, what):
         delay = min(max(2 * delay, 1e-5), 1e-3)
 
 
-class _Ring:
-    """One ring reduce-scatter + allgather over the members on buffer ``ptr`` in place."""
+# Sends of failed rounds, with the objects that own their buffers: MPI cannot cancel a
+# send, and may read its buffer until the peer takes it (or the process ends).
+_abandoned: list = []
 
-    def __init__(self, comm, members, me, ptr, count, dtype, op, deadline, name):
+
+class _Ring:
+    """One ring reduce-scatter + allgather over the members on buffer ``ptr`` in place;
+    ``keep`` owns that memory."""
+
+    def __init__(self, comm, members, me, tag, ptr, count, dtype, op, deadline, name, keep):
+        _abandoned[:] = [(sends, owner) for sends, owner in _abandoned
+                         if not MPI.Request.Testall(sends)]
+        self.keep = keep
         k, p = len(members), members.index(me)
         self.comm, self.members, self.k, self.p = comm, members, k, p
         self.left, self.right = members[(p - 1) % k], members[(p + 1) % k]
-        self.tag = group_tag(members, comm.Get_attr(MPI.TAG_UB))
+        self.tag = tag
         self.ptr, self.dtype, self.op, self.deadline, self.name = ptr, dtype, op, deadline, name
         self.item = tensors.ITEMSIZE[dtype]
         self.bounds = [count * i // k for i in range(k + 1)]
@@ -111,6 +132,7 @@ class _Ring:
                         for s in range(self.bounds[b], self.bounds[b + 1], step)]
                        for b in range(k)]
         self.sending: dict = {}          # (block, chunk) -> send requests still reading it
+        self.scratch = None
 
     def _send(self, block: int, c: int) -> None:
         lo, hi = self.chunks[block][c]
@@ -119,6 +141,14 @@ class _Ring:
         self.sending.setdefault((block, c), []).append(req)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException:
+            sends = [req for reqs in self.sending.values() for req in reqs]
+            _abandoned.append((sends, (self.keep, self.scratch)))
+            raise
+
+    def _run(self) -> None:
         k, p = self.k, self.p
         # Steps 0..k-2 reduce-scatter (receive block p-s-1 and reduce it in), then k-1
         # allgather steps (receive block p-t into place). What a step receives is what the
@@ -126,7 +156,7 @@ class _Ring:
         steps = [((p - s - 1) % k, True) for s in range(k - 1)]
         steps += [((p - t) % k, False) for t in range(k - 1)]
         largest = max(hi - lo for hi, lo in zip(self.bounds[1:], self.bounds))
-        scratch = np.empty(largest * self.item, np.uint8)      # one block: a step's chunks
+        self.scratch = scratch = np.empty(largest * self.item, np.uint8)   # a step's chunks
         for c in range(len(self.chunks[p])):
             self._send(p, c)
         for s, (block, reduce) in enumerate(steps):
@@ -178,31 +208,31 @@ class _Ring:
                 "another order, or died")
 
 
-def _agree(state: _Cache, members, me, deadline, name, what: str) -> None:
+def _agree(state: _Cache, members, me, tag, deadline, name, what: str) -> None:
     """PYCOLL_CHECK for a group with no communicator: a ring max of (h, -h), h a hash of
     what this member passes, tells every member whether all passed the same."""
     k = len(members)
     h = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "little") >> 2
     token = np.repeat(np.array([h, -h], np.int64), k)
-    _Ring(state.comm, members, me, token.ctypes.data, token.size, "int64",
-          _reduce_op("max"), deadline, name).run()
+    _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "int64",
+          _reduce_op("max"), deadline, name, token).run()
     if token[0] != -token[k]:
         raise CollectiveMismatch(f"pycoll: {name} among ranks {list(members)}: the members "
                                  f"passed different tensors or ops; rank {me} passed {what}. "
                                  "Every member must pass the same dtype, size and op.")
 
 
-def _cached_comm(state: _Cache, members, me, deadline, name):
+def _cached_comm(state: _Cache, members, me, tag, deadline, name):
     """The group's own communicator, made at its PYCOLL_PARTIAL_CACHE_AFTER-th use."""
     comm = state.comms.get(members)
     if comm is None:
         # A ring token first: MPI_Comm_create_group has no timeout, our wait does.
         token = np.zeros(len(members), np.uint8)
-        _Ring(state.comm, members, me, token.ctypes.data, token.size, "uint8",
-              _reduce_op("max"), deadline, name).run()
+        _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "uint8",
+              _reduce_op("max"), deadline, name, token).run()
         group = state.comm.Get_group().Incl(list(members))
         try:
-            comm = state.comm.Create_group(group, group_tag(members, state.comm.Get_attr(MPI.TAG_UB)))
+            comm = state.comm.Create_group(group, tag)
         finally:
             group.Free()
         state.comms[members] = comm
@@ -222,21 +252,36 @@ def _plan(x, ranks, op, name, inplace):
     def run():
         if len(members) == 1:
             return out                   # a group of one: the reduction is x itself
+        if members in state.broken:
+            raise GroupBroken(f"pycoll: {name} among ranks {list(members)}: this group is broken "
+                              f"on rank {me} since an earlier round failed "
+                              f"({state.broken[members]}); that round's messages may still "
+                              "arrive. Use other groups, or restart the job.")
         deadline = time.monotonic() + config.get("timeout")
-        if config.get("check"):
-            _agree(state, members, me, deadline, name,
-                   f"{dst.dtype} x {dst.count} op={op.value}")
         state.uses[members] += 1
-        after = config.get("partial_cache_after")
-        # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
-        with _staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
-            if after and state.uses[members] >= after:
-                comm = _cached_comm(state, members, me, deadline, name)
-                comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, dst.dtype))
-                if op is Average:
-                    _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
-            else:
-                _Ring(state.comm, members, me, d, dst.count, dst.dtype, op, deadline, name).run()
+        uses = state.uses[members]
+        tag = group_tag(members, uses, size, state.comm.Get_attr(MPI.TAG_UB))
+        try:
+            if config.get("check"):
+                _agree(state, members, me, tag, deadline, name,
+                       f"{dst.dtype} x {dst.count} op={op.value}")
+            after = config.get("partial_cache_after")
+            # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
+            with _staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
+                if after and uses >= after:
+                    comm = _cached_comm(state, members, me, tag, deadline, name)
+                    comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype),
+                                   _mpi_op(op, dst.dtype))
+                    if op is Average:
+                        _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
+                else:
+                    _Ring(state.comm, members, me, tag, d, dst.count, dst.dtype, op, deadline,
+                          name, out).run()
+        except CollectiveMismatch:
+            raise                        # every member found it after a complete exchange
+        except BaseException as error:
+            state.broken[members] = f"{type(error).__name__}: {error}"
+            raise
         return out
     return f"{name}({list(members)})", run
 

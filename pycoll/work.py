@@ -10,6 +10,11 @@ class CollectiveTimeout(TimeoutError):
     """A collective did not complete within the timeout."""
 
 
+class GroupBroken(RuntimeError):
+    """An earlier operation on this group failed part-way: its messages may still arrive,
+    so the group refuses further operations rather than take them for new ones."""
+
+
 class Work:
     """The handle of an operation that may still be running.
 

@@ -124,3 +124,55 @@ def test_exit_lets_queued_collectives_finish_and_leaves_unsent_ones(tmp_path):
     assert code == 0, text
     assert "rank 0 leaves" in text and "rank 1 leaves" in text
     assert "collectives still running at exit" not in text
+
+
+def test_partial_allreduce_retry_after_a_timeout_is_refused_not_mixed(tmp_path):
+    """Late chunks of a failed round must never be summed into a retry: the group is
+    broken on every member (fail-stop), and other groups stay usable."""
+    code, text = job(tmp_path, """
+        x = np.full(1 << 16, rank + 1.0)
+        for attempt in ("first", "retry"):
+            if attempt == "first" and rank == 2:
+                time.sleep(3)                   # past the others' PYCOLL_TIMEOUT
+            try:
+                pycoll.partial_allreduce(x, [0, 1, 2], op=pycoll.Sum)
+                print(f"rank {rank} {attempt}: ok", flush=True)
+            except (pycoll.CollectiveTimeout, pycoll.GroupBroken) as error:
+                print(f"rank {rank} {attempt}: {type(error).__name__}", flush=True)
+        if rank < 2:
+            y = pycoll.partial_allreduce(x, [0, 1], op=pycoll.Sum)
+            print(f"rank {rank} pair: {y[0]:g}", flush=True)
+    """, PYCOLL_TIMEOUT="2", PYCOLL_CHECK="0")
+    assert code == 0, text
+    for r in range(3):
+        assert f"rank {r} first: CollectiveTimeout" in text, text
+        assert f"rank {r} retry: GroupBroken" in text, text
+    assert "rank 0 pair: 3" in text and "rank 1 pair: 3" in text
+
+
+def test_send_recv_timeout_breaks_point_to_point_only(tmp_path):
+    """torch send/recv: a receive that times out is cancelled and later ones raise
+    GroupBroken (its message may still come); collectives on the group go on."""
+    code, text = job(tmp_path, """
+        import datetime, torch, torch.distributed as dist
+        import pycoll.torch
+        dist.init_process_group("pycoll", timeout=datetime.timedelta(seconds=1))
+        if rank == 1:
+            got = torch.zeros(2)
+            start = time.monotonic()
+            try:
+                dist.recv(got, src=0)           # rank 0 never sends
+            except pycoll.CollectiveTimeout:
+                print(f"timed out after {time.monotonic() - start:.0f} s", flush=True)
+            try:
+                dist.recv(got, src=0)
+            except pycoll.GroupBroken as error:
+                print("then:", str(error).split(";")[0], flush=True)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"rank {rank} allreduce {t.item():g}", flush=True)
+    """, ranks=2)
+    assert code == 0, text
+    assert "timed out after 1 s" in text
+    assert "then: pycoll: send/recv on <pycoll.Group ranks=[0, 1]> are broken" in text
+    assert "rank 0 allreduce 2" in text and "rank 1 allreduce 2" in text

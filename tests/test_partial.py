@@ -124,8 +124,11 @@ def test_mismatched_members_raise_on_every_member(pycoll_world, path, monkeypatc
                                   2)                      # the pair is still usable
 
 
-def test_group_tags_are_distinct_bitmasks():
+def test_group_tags_are_distinct_per_group_and_round():
     groups = subsets(6)
-    assert len({partial.group_tag(g, 2**31 - 1) for g in groups}) == len(groups)
+    tags = {partial.group_tag(g, seq, 6, 2**31 - 1) for g in groups for seq in range(1, 50)}
+    assert len(tags) == len(groups) * 49
+    assert all(0 <= t < 2**31 for t in tags)
     big = [(0, 19), (3, 15, 16), tuple(range(20))]          # bitmasks past a 15-bit tag range
-    assert all(0 <= partial.group_tag(g, 32767) <= 32767 for g in big)
+    tags = {partial.group_tag(g, seq, 20, 32767) for g in big for seq in (1, 2)}
+    assert len(tags) == 6 and all(0 <= t <= 32767 for t in tags)

@@ -391,7 +391,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             raise RuntimeError("send/recv on the pycoll backend need MPI_THREAD_MULTIPLE "
                                "(mpi4py's default); MPI was initialized with less")
         if self._p2p_failure is not None:
-            raise RuntimeError(f"pycoll: send/recv on {self.group} are broken since an earlier "
+            raise pycoll.GroupBroken(f"pycoll: send/recv on {self.group} are broken since an earlier "
                                f"one failed ({self._p2p_failure}); its message may still "
                                "arrive and must not be taken for a later one's. Make a new "
                                "process group (or restart the job) to exchange messages again.")

@@ -72,6 +72,7 @@ class Engine:
         self._cv = threading.Condition(self._lock)
         self._thread_id: Optional[int] = None     # the engine thread's, once started
         self._runner: Optional[int] = None        # the thread running a batch now
+        self._stopped = False
         self._fusion = {False: np.empty(0, np.uint8), True: np.empty(0, np.uint8)}   # by pinned
 
     # ------------------------------------------------------------ issuing
@@ -172,6 +173,21 @@ class Engine:
                 self._cv.wait(0.01)
         return True
 
+    def running(self) -> Optional[str]:
+        """The name of the operation running now, if any."""
+        running = self._running
+        return running[0] if running else None
+
+    def stop(self, timeout: float) -> bool:
+        """``drain``, then end the engine's thread; False if something still ran at the
+        deadline (the thread may then be inside MPI)."""
+        if not self.drain(timeout):
+            return False
+        with self._lock:
+            self._stopped = True
+            self._cv.notify_all()
+        return True
+
     def fusion_buffer(self, nbytes: int, pinned: bool = False) -> np.ndarray:
         """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
         largest piece asked for: PYCOLL_CHUNK_BYTES at most). Batches run one at a time,
@@ -239,6 +255,8 @@ class Engine:
         while True:
             with self._lock:
                 while True:
+                    if self._stopped:
+                        return
                     left = self._close_if_cycle_over()
                     if self._ready and self._take():
                         break

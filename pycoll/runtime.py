@@ -95,10 +95,15 @@ def init(comm=None, **options) -> None:
 
 
 def _finish_queued() -> None:
-    """At exit, before MPI is finalized: let queued collectives finish, so that the
-    engine's thread is not inside MPI or a torch callback while the process tears down."""
-    if _state.engine is not None and not _state.engine.drain(timeout=10.0):
-        logging.getLogger("pycoll").warning("pycoll: collectives still running at exit")
+    """At exit, before MPI is finalized (mpi4py's handler runs after this one): let queued
+    collectives finish and stop the engine's thread. Finalizing under a thread still
+    inside MPI is undefined, so a rank whose collectives do not finish within
+    PYCOLL_TIMEOUT ends the job instead."""
+    engine = _state.engine
+    if engine is not None and not engine.stop(timeout=config.get("timeout")):
+        _abort(f"pycoll: {engine.running() or 'a collective'} was still running at exit "
+               f"after PYCOLL_TIMEOUT ({config.get('timeout'):g} s): a rank skipped it or died; "
+               "ending the job rather than finalizing MPI under it")
 
 
 def _abort(message: str) -> None:

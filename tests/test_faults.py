@@ -176,3 +176,36 @@ def test_send_recv_timeout_breaks_point_to_point_only(tmp_path):
     assert "timed out after 1 s" in text
     assert "then: pycoll: send/recv on <pycoll.Group ranks=[0, 1]> are broken" in text
     assert "rank 0 allreduce 2" in text and "rank 1 allreduce 2" in text
+
+
+def test_group_generator_names_a_worker_that_never_leaves(tmp_path):
+    code, text = job(tmp_path, """
+        from pycoll.decentral import GroupGenerator
+        gen = GroupGenerator(group_size=2)
+        if rank == 2:
+            time.sleep(5)                       # hangs: never leaves
+        else:
+            gen.leave()
+            start = time.monotonic()
+            try:
+                gen.close()
+                print(f"rank {rank} closed", flush=True)
+            except pycoll.CollectiveTimeout as error:
+                print(f"rank {rank} after {time.monotonic() - start:.0f} s: {error}", flush=True)
+    """, PYCOLL_TIMEOUT="2")
+    assert code == 0, text
+    assert "rank 1 closed" in text
+    assert "rank 0 after 2 s: pycoll: the group generator on rank 0 heard from no worker" in text
+    assert "ranks [2] have not left" in text
+
+
+def test_exit_under_a_stuck_collective_ends_the_job_with_a_message(tmp_path):
+    """MPI is never finalized under the engine's thread while it is inside MPI."""
+    code, text = job(tmp_path, """
+        if rank == 0:
+            pycoll.allreduce_async(np.ones(4), name="orphan")
+            pycoll.flush()                      # rank 1 never joins it
+        print(f"rank {rank} leaves", flush=True)
+    """, ranks=2, PYCOLL_TIMEOUT="2", PYCOLL_CHECK="0")
+    assert code != 0
+    assert "orphan was still running at exit after PYCOLL_TIMEOUT (2 s)" in text

@@ -36,6 +36,7 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import config, runtime
+from ..work import CollectiveTimeout
 from ..partial import poll
 
 Groups = List[Tuple[int, ...]]
@@ -179,6 +180,7 @@ class GroupGenerator:
         self.rank, self.root = self.comm.Get_rank(), root
         self.book = GroupBook(self.comm.Get_size(), group_size, seed, tolerance)
         self.thread: Optional[threading.Thread] = None
+        self.failure: Optional[BaseException] = None     # what ended the service early
         if self.rank == root:
             self.thread = threading.Thread(target=self._serve, name="pycoll-group-generator",
                                            daemon=True)
@@ -187,15 +189,24 @@ class GroupGenerator:
     def _serve(self) -> None:
         from mpi4py import MPI
         book, start = self.book, time.monotonic()
-        while book.active:
-            poll(lambda: True if self.comm.iprobe(MPI.ANY_SOURCE, _REQUEST) else None,
-                 math.inf, lambda: "")
-            status = MPI.Status()
-            kind = self.comm.recv(source=MPI.ANY_SOURCE, tag=_REQUEST, status=status)
-            worker = status.Get_source()
-            reply = (book.request(worker, time.monotonic() - start) if kind == "next"
-                     else book.leave(worker))
-            self.comm.send(reply, dest=worker, tag=_REPLY)
+        try:
+            while book.active:
+                timeout = config.get("timeout")
+                poll(lambda: True if self.comm.iprobe(MPI.ANY_SOURCE, _REQUEST) else None,
+                     time.monotonic() + timeout, lambda: self._silent(timeout))
+                status = MPI.Status()
+                kind = self.comm.recv(source=MPI.ANY_SOURCE, tag=_REQUEST, status=status)
+                worker = status.Get_source()
+                reply = (book.request(worker, time.monotonic() - start) if kind == "next"
+                         else book.leave(worker))
+                self.comm.send(reply, dest=worker, tag=_REPLY)
+        except BaseException as error:      # raised by close(), on the thread that called it
+            self.failure = error
+
+    def _silent(self, timeout: float) -> str:
+        return (f"pycoll: the group generator on rank {self.root} heard from no worker within "
+                f"PYCOLL_TIMEOUT ({timeout:g} s); ranks {sorted(self.book.active)} have not "
+                "left: they died, hang, or stopped without close()")
 
     def _ask(self, kind: str):
         self.comm.send(kind, dest=self.root, tag=_REQUEST)
@@ -216,10 +227,15 @@ class GroupGenerator:
         return [tuple(g) for g in self._ask("leave")]
 
     def close(self) -> None:
-        """After ``leave`` and its groups: the root waits for every worker to leave."""
+        """After ``leave`` and its groups: the root waits for every worker to leave (at most
+        PYCOLL_TIMEOUT after the last one it heard from)."""
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(config.get("timeout") + 1.0)     # the service times out first
+            if self.thread.is_alive():
+                raise CollectiveTimeout(self._silent(config.get("timeout")))
             self.thread = None
+            if self.failure is not None:
+                raise self.failure
         self.comm.Free()
 
 

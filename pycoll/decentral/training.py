@@ -28,6 +28,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives, config, runtime
 from ..partial import partial_allreduce_, poll
+from ..work import CollectiveTimeout
 
 
 class AllReduce:
@@ -88,6 +89,7 @@ class ADPSGD:
         self.lock = threading.Lock()             # an averaging is atomic w.r.t. updates
         self.averages = 0
         self.server = None
+        self.failure = None                      # what ended the passive's service early
         if self.rank in self.passives:
             self.server = threading.Thread(target=self._serve, name="pycoll-adpsgd", daemon=True)
             self.server.start()
@@ -110,7 +112,7 @@ class ADPSGD:
         mine = self._flat()
         theirs = np.empty_like(mine)
         recv = self.comm.Irecv(theirs, source=peer, tag=_REPLY)
-        self.comm.Send(mine, dest=peer, tag=_AVERAGE)
+        self._wait(self.comm.Isend(mine, dest=peer, tag=_AVERAGE), peer)
         self._wait(recv, peer)
         with torch.no_grad():
             vector_to_parameters(torch.from_numpy(theirs), self.params)    # the average
@@ -118,28 +120,42 @@ class ADPSGD:
 
     def _serve(self) -> None:
         from mpi4py import MPI
-        byes, theirs, status = 0, None, MPI.Status()
-        while byes < len(self.actives):
-            poll(lambda: True if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status) else None,
-                 float("inf"), lambda: "")
-            peer, tag = status.Get_source(), status.Get_tag()
-            if tag == _BYE:
-                self.comm.Recv(bytearray(0), source=peer, tag=_BYE)
-                byes += 1
-                continue
-            if theirs is None:
-                theirs = np.empty_like(self._flat())
-            self.comm.Recv(theirs, source=peer, tag=_AVERAGE)
-            with self.lock, torch.no_grad():
-                average = (self._flat() + theirs) * np.float32(0.5)
-                vector_to_parameters(torch.from_numpy(average), self.params)
-            self.comm.Send(average, dest=peer, tag=_REPLY)
-            self.averages += 1
+        theirs, status, staying = None, MPI.Status(), set(self.actives)
+        try:
+            while staying:
+                timeout = config.get("timeout")
+                poll(lambda: True if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status) else None,
+                     time.monotonic() + timeout, lambda: self._silent(staying, timeout))
+                peer, tag = status.Get_source(), status.Get_tag()
+                if tag == _BYE:
+                    self.comm.Recv(bytearray(0), source=peer, tag=_BYE)
+                    staying.discard(peer)
+                    continue
+                if theirs is None:
+                    theirs = np.empty_like(self._flat())
+                self.comm.Recv(theirs, source=peer, tag=_AVERAGE)
+                with self.lock, torch.no_grad():
+                    average = (self._flat() + theirs) * np.float32(0.5)
+                    vector_to_parameters(torch.from_numpy(average), self.params)
+                self._wait(self.comm.Isend(average, dest=peer, tag=_REPLY), peer)
+                self.averages += 1
+        except BaseException as error:      # raised by close(), on the thread that called it
+            self.failure = error
+
+    def _silent(self, staying, timeout: float) -> str:
+        return (f"pycoll: AD-PSGD passive rank {self.rank} heard from no active rank within "
+                f"PYCOLL_TIMEOUT ({timeout:g} s); ranks {sorted(staying)} have not left: they "
+                "died, hang, or stopped without close()")
 
     def close(self) -> None:
         if self.rank in self.actives:
             for peer in self.passives:
-                self.comm.Send(bytearray(0), dest=peer, tag=_BYE)
+                self._wait(self.comm.Isend(bytearray(0), dest=peer, tag=_BYE), peer)
         if self.server is not None:
-            self.server.join()           # a passive serves until every active has left
+            # A passive serves until every active has left, or PYCOLL_TIMEOUT after the last
+            # message from one.
+            self.server.join(config.get("timeout") + 1.0)
+            if self.server.is_alive() or self.failure is not None:
+                raise self.failure or CollectiveTimeout(f"pycoll: AD-PSGD passive rank "
+                                                        f"{self.rank} did not finish serving")
         self.comm.Free()

@@ -4,6 +4,7 @@ Precedence: keyword arguments to ``pycoll.init`` (or ``configure``), then ``PYCO
 environment variables, then the defaults below. ``pycollrun`` turns each knob into a
 command-line flag that sets its variable, so this table is the only list of knobs.
 """
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,6 +17,30 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _number(kind: type, low: float, what: str, above: bool = False) -> Callable[[Any], Any]:
+    """A parser of ``kind`` values >= ``low`` (> with ``above``), finite; ``what`` names
+    the accepted range in its error."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            value = None
+        if (value is None or isinstance(text, bool) or not math.isfinite(value)
+                or value < low or (above and value == low)):
+            raise ValueError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def _choice(*names: str) -> Callable[[str], str]:
+    def parse(text):
+        value = str(text).strip().lower()
+        if value not in names:
+            raise ValueError(f"expected one of {', '.join(names)}, got {text!r}")
+        return value
+    return parse
 
 
 def parse_slowdown(text: str) -> dict:
@@ -50,39 +75,39 @@ class Knob:
 
 
 KNOBS = {k.name: k for k in (
-    Knob("timeout", 300.0, float,
+    Knob("timeout", 300.0, _number(float, 0, "a positive, finite number of seconds", above=True),
          "seconds a blocking call or Work.wait() waits before raising CollectiveTimeout"),
     # 4 MiB: small enough that batches leave while backward runs. bench/fusion.py's sweep
     # (1 to 128 MiB), which issues every tensor before waiting, favours 128 MiB by 10-13%.
-    Knob("fusion_threshold", 4 * 2**20, int,
+    Knob("fusion_threshold", 4 * 2**20, _number(int, 0, "a whole number of bytes >= 0"),
          "bytes: allreduces issued one after another are fused into batches up to this size"),
     # 4 MiB: bench/fusion.py's chunk sweep (1-64 MiB), best over all cases at 4 ranks and
     # within 3% of 2 MiB at 2; a 64 MiB allreduce in 4 MiB pieces ran 2-3x faster than
     # in one MPI call (the pieces stay in cache).
-    Knob("chunk_bytes", 4 * 2**20, int,
+    Knob("chunk_bytes", 4 * 2**20, _number(int, 1, "a whole number of bytes >= 1"),
          "bytes: an allreduce larger than this (one tensor or a fused batch) travels in pieces "
          "of this size, each packed, reduced and unpacked while it is in cache; also the most "
          "host memory that staging GPU tensors takes"),
     # 0: bench/fusion.py's cycle sweep found 0, 0.5 and 2 ms within noise of each other,
     # and without a cycle batches are cut alike on every rank with no negotiation round.
-    Knob("cycle_time_ms", 0.0, float,
+    Knob("cycle_time_ms", 0.0, _number(float, 0, "a finite number of milliseconds >= 0"),
          "milliseconds: a fused batch still filling is sent once it is this old, ranks agreeing "
          "on its contents by one small allreduce (Horovod's cycle); 0: batches are cut only at "
          "the fusion threshold, another kind of operation, or when a result is needed"),
     Knob("check", False, _bool,
          "before each collective, ranks compare what they submit; mismatches and missing "
          "ranks raise on every rank"),
-    Knob("stall_warning_s", 60.0, float,
+    Knob("stall_warning_s", 60.0, _number(float, 0, "a positive, finite number of seconds", above=True),
          "with check on, log which ranks have not joined a collective after this many seconds"),
-    Knob("log_level", "warning", str.lower,
+    Knob("log_level", "warning", _choice("debug", "info", "warning", "error"),
          "logging level of the pycoll logger: debug, info, warning, error"),
     Knob("cuda_aware_mpi", False, _bool,
          "hand GPU buffers to MPI directly instead of staging them through host memory"),
     Knob("slowdown", {}, parse_slowdown,
          "RANK:FACTOR[,RANK:FACTOR]: pycoll.slowdown() makes these ranks' compute FACTOR times slower"),
-    Knob("servers", 1, int,
+    Knob("servers", 1, _number(int, 1, "a whole number of server ranks >= 1"),
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
-    Knob("partial_cache_after", 3, int,
+    Knob("partial_cache_after", 3, _number(int, 0, "a whole number of uses >= 0"),
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
 )}
 
@@ -99,7 +124,11 @@ def configure(**kwargs) -> None:
         if name not in KNOBS:
             raise TypeError(f"unknown pycoll option {name!r}; known: {', '.join(KNOBS)}")
         knob = KNOBS[name]
-        _overrides[name] = knob.parse(value) if isinstance(value, str) else value
+        try:
+            # Text and numbers go through the knob's parser, which checks the range.
+            _overrides[name] = knob.parse(value) if isinstance(value, (str, int, float)) else value
+        except ValueError as err:
+            raise ValueError(f"pycoll option {name}={value!r}: {err}") from None
 
 
 def reload() -> None:

@@ -44,3 +44,38 @@ def test_readme_lists_every_knob():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for knob in config.KNOBS.values():
         assert f"`{knob.env}` | `{knob.flag}`" in readme, knob.env
+
+
+@pytest.mark.parametrize("name, text, accepted", [
+    ("timeout", "inf", "positive, finite number of seconds"),
+    ("timeout", "nan", "positive, finite number of seconds"),
+    ("timeout", "0", "positive, finite number of seconds"),
+    ("timeout", "-3", "positive, finite number of seconds"),
+    ("fusion_threshold", "-1", "whole number of bytes >= 0"),
+    ("chunk_bytes", "0", "whole number of bytes >= 1"),
+    ("cycle_time_ms", "-0.5", "milliseconds >= 0"),
+    ("stall_warning_s", "inf", "positive, finite number of seconds"),
+    ("servers", "0", "server ranks >= 1"),
+    ("partial_cache_after", "two", "whole number of uses >= 0"),
+    ("log_level", "loud", "one of debug, info, warning, error"),
+    ("slowdown", "1:0.5", "FACTOR >= 1"),
+    ("slowdown", "one:3", "RANK:FACTOR"),
+])
+def test_settings_out_of_range_are_refused_when_read(monkeypatch, name, text, accepted):
+    knob = config.KNOBS[name]
+    monkeypatch.setenv(knob.env, text)
+    with pytest.raises(ValueError, match=f"{knob.env}={text!r}: .*{accepted}"):
+        config.get(name)
+    with pytest.raises(ValueError, match=f"pycoll option {name}={text!r}: .*{accepted}"):
+        config.configure(**{name: text})
+
+
+def test_keyword_values_are_checked_like_text():
+    with pytest.raises(ValueError, match=r"timeout=inf: expected a positive"):
+        config.configure(timeout=float("inf"))
+    with pytest.raises(ValueError, match=r"fusion_threshold=-5: expected a whole number"):
+        config.configure(fusion_threshold=-5)
+    with pytest.raises(ValueError, match=r"timeout=True: expected a positive"):
+        config.configure(timeout=True)
+    config.configure(timeout=7, fusion_threshold=0)
+    assert (config.get("timeout"), config.get("fusion_threshold")) == (7.0, 0)

@@ -1,6 +1,7 @@
 """Process state: the world communicator, groups of ranks and the engine."""
 import atexit
 import logging
+import weakref
 from typing import Iterable, Optional
 
 from . import config
@@ -18,6 +19,7 @@ class Group:
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
+        self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
         if comm is not None:
             from mpi4py import MPI
@@ -34,10 +36,14 @@ class Group:
             self._checker.agree(kind, name, **details)
 
     def free(self, comm: bool = True) -> None:
+        if self.freed:
+            return
         if self._checker is not None:
             self._checker.free()
-        if comm:
+        if comm and self.comm is not None:
             self.comm.Free()
+        self.comm = self.handle = self._checker = None
+        self.freed = True
 
     @property
     def is_member(self) -> bool:
@@ -59,6 +65,7 @@ class _State:
     engine: Optional[Engine] = None
     p2p_comm = None      # pycoll.partial's own duplicate: its tags never meet other traffic
     user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
+    new_groups = weakref.WeakSet()  # new_group()'s, released by shutdown()
 
 
 _state = _State()
@@ -123,6 +130,8 @@ def shutdown() -> None:
     _state.world.free()
     for group in _state.user_groups.values():
         group.free(comm=False)          # the communicator is the user's
+    for group in list(_state.new_groups):
+        group.free()
     _state.world = _state.local_comm = _state.engine = _state.p2p_comm = None
     _state.user_groups.clear()
 
@@ -175,15 +184,17 @@ def new_group(ranks: Iterable[int]) -> Group:
         raise ValueError(f"new_group needs distinct ranks in [0, {parent.size}), got {ranks}")
     ranks = tuple(sorted(ranks))
     if parent.rank not in ranks:
-        return Group(None, ranks)
-
-    def create():
-        members = parent.Get_group().Incl(list(ranks))
-        try:
-            return parent.Create_group(members)
-        finally:
-            members.Free()
-    return Group(engine().run(create, f"new_group({list(ranks)})"), ranks)
+        group = Group(None, ranks)
+    else:
+        def create():
+            members = parent.Get_group().Incl(list(ranks))
+            try:
+                return parent.Create_group(members)
+            finally:
+                members.Free()
+        group = Group(engine().run(create, f"new_group({list(ranks)})"), ranks)
+    _state.new_groups.add(group)
+    return group
 
 
 def resolve(group) -> Group:
@@ -191,6 +202,9 @@ def resolve(group) -> Group:
     if group is None:
         return _state.world or world()                 # world() raises if uninitialized
     if isinstance(group, Group):
+        if group.freed:
+            raise ValueError(f"{group} was released by pycoll.shutdown(); make groups anew "
+                             "with pycoll.new_group() after pycoll.init()")
         if not group.is_member:
             raise ValueError(f"rank {world().rank()} is not a member of {group}; "
                              "only its members may run collectives on it")

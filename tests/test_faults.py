@@ -209,3 +209,25 @@ def test_exit_under_a_stuck_collective_ends_the_job_with_a_message(tmp_path):
     """, ranks=2, PYCOLL_TIMEOUT="2", PYCOLL_CHECK="0")
     assert code != 0
     assert "orphan was still running at exit after PYCOLL_TIMEOUT (2 s)" in text
+
+
+def test_groups_used_after_shutdown_are_refused(tmp_path):
+    """Also on the compiled short path (PYCOLL_CHECK unset), which calls MPI directly."""
+    code, text = job(tmp_path, """
+        pair, world = pycoll.new_group([0, 1]), pycoll.runtime.world()
+        pycoll.allreduce(np.ones(3), group=world)
+        pycoll.shutdown()
+        for what, group in (("pair", pair), ("world", world)):
+            try:
+                pycoll.allreduce(np.ones(3), group=group)
+            except ValueError as error:
+                print(f"rank {rank} {what}: {error}", flush=True)
+        pycoll.init()
+        print(f"rank {rank} again: {pycoll.allreduce(np.ones(3), op=pycoll.Sum)[0]:g}", flush=True)
+    """, ranks=2, PYCOLL_CHECK="0")
+    assert code == 0, text
+    for r in range(2):
+        assert (f"rank {r} pair: <pycoll.Group ranks=[0, 1]> was released by pycoll.shutdown()"
+                in text), text
+        assert f"rank {r} world: <pycoll.Group ranks=[0, 1]> was released" in text
+        assert f"rank {r} again: 2" in text

@@ -217,12 +217,12 @@ def test_groups_used_after_shutdown_are_refused(tmp_path):
         pair, world = pycoll.new_group([0, 1]), pycoll.runtime.world()
         pycoll.allreduce(np.ones(3), group=world)
         pycoll.shutdown()
+        pycoll.init()                           # the old groups' handles are freed
         for what, group in (("pair", pair), ("world", world)):
             try:
                 pycoll.allreduce(np.ones(3), group=group)
             except ValueError as error:
                 print(f"rank {rank} {what}: {error}", flush=True)
-        pycoll.init()
         print(f"rank {rank} again: {pycoll.allreduce(np.ones(3), op=pycoll.Sum)[0]:g}", flush=True)
     """, ranks=2, PYCOLL_CHECK="0")
     assert code == 0, text

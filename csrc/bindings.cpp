@@ -166,8 +166,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("cuda_synchronize", [](uintptr_t stream) { cuda::synchronize(stream); }, py::arg("stream") = 0, Release());
     m.def("cuda_device_count", [] { return cuda::device_count(); }, Release(), "0 when no driver or device.");
     m.def(
-        "cuda_host_alloc", [](size_t nbytes) { return reinterpret_cast<uintptr_t>(cuda::host_alloc(nbytes)); },
-        py::arg("nbytes"), Release(), "Pinned host memory (for staging); free with cuda_host_free.");
+        "cuda_host_alloc",
+        [](size_t nbytes, int device) { return reinterpret_cast<uintptr_t>(cuda::host_alloc(nbytes, device)); },
+        py::arg("nbytes"), py::arg("device"), Release(), "Pinned host memory (for staging); free with cuda_host_free.");
     m.def("cuda_host_free", [](uintptr_t p) { cuda::host_free(ptr(p)); }, py::arg("ptr"), Release());
 
     m.def("cuda_copy_stream", &cuda::copy_stream, py::arg("device"), Release(),

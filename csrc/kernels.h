@@ -45,7 +45,7 @@ void cast(void* dst, const void* src, size_t count, DType src_dt, DType dst_dt, 
 void memcpy_async(void* dst, const void* src, size_t nbytes, uintptr_t stream);  // cudaMemcpyDefault
 void synchronize(uintptr_t stream);
 int device_count();  // 0 when there is no driver or no device; never throws
-void* host_alloc(size_t nbytes);
+void* host_alloc(size_t nbytes, int device);
 void host_free(void* ptr);
 
 // Staging copies run on pycoll's own stream per device, created non-blocking: they wait

@@ -123,15 +123,17 @@ def _staged(buf: Buffer, read: bool, write: bool):
 
 def _scale(buf: Buffer, ptr: int, count: int, factor: float) -> None:
     """Average's division of ``count`` elements of ``buf`` at ``ptr``, where MPI left
-    them: on the host, or on the GPU when a CUDA-aware MPI worked on GPU memory."""
+    them: on the host, or on the tensor's own GPU when a CUDA-aware MPI worked on GPU
+    memory (on pycoll's stream for that device: no context is made on another GPU)."""
     if buf.device == "cpu" or not config.get("cuda_aware_mpi"):
         _C.scale(ptr, count, buf.dtype, factor)
         return
-    if not _C.has_cuda():
+    stage = tensors.stager(buf.device_id)
+    if not stage.scales:
         raise RuntimeError("Average of GPU tensors with PYCOLL_CUDA_AWARE_MPI=1 needs pycoll "
                            "built with its CUDA kernels (PYCOLL_WITH_CUDA=1 pip install pycoll)")
-    _C.cuda_scale(ptr, count, buf.dtype, factor)
-    _C.cuda_synchronize()
+    stage.scale([ptr], [count * ITEMSIZE[buf.dtype]], buf.dtype, factor)
+    stage.wait(stage.mark())
 
 
 def _same_kind(inputs: Sequence[Buffer]) -> None:
@@ -300,7 +302,7 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: floa
     stage, dtype = tensors.stager(many.device_id), many.dtype
     scale_on_gpu = scale != 1.0 and stage.scales     # else on the host, before the copy back
     room = max(nbytes for _, nbytes in pieces)
-    halves = runtime.engine().fusion_buffer(2 * room, pinned=True).ctypes.data
+    halves = runtime.engine().fusion_buffer(2 * room, device=many.device_id).ctypes.data
     at_piece = [halves + k % 2 * room for k in range(len(pieces))]
 
     def fetch(k: int):

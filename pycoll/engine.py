@@ -188,13 +188,14 @@ class Engine:
             self._cv.notify_all()
         return True
 
-    def fusion_buffer(self, nbytes: int, pinned: bool = False) -> np.ndarray:
+    def fusion_buffer(self, nbytes: int, device: Optional[int] = None) -> np.ndarray:
         """The one reusable staging buffer, at least ``nbytes`` long (it grows to the
         largest piece asked for: PYCOLL_CHUNK_BYTES at most). Batches run one at a time,
-        so they share it. ``pinned``: the page-locked one that GPU batches stage through
-        (two pieces long), allocated with the first of them."""
+        so they share it. With ``device``: the page-locked one that batches of that GPU
+        stage through (two pieces long), allocated with the first of them."""
+        pinned = device is not None
         if self._fusion[pinned].nbytes < nbytes:
-            self._fusion[pinned] = (tensors.pinned_empty(nbytes) if pinned
+            self._fusion[pinned] = (tensors.pinned_empty(nbytes, device) if pinned
                                     else np.empty(nbytes, np.uint8))
         return self._fusion[pinned][:nbytes]
 

@@ -326,12 +326,12 @@ def ready_event(stream: int, device: int):
     return _C.CudaEvent(stream, device) if _gpu_present() else None
 
 
-def pinned_empty(nbytes: int) -> np.ndarray:
-    """Page-locked host memory where a GPU is present (staging copies run at full speed
-    and asynchronously), else ordinary memory."""
+def pinned_empty(nbytes: int, device: int) -> np.ndarray:
+    """Page-locked host memory for copies with GPU ``device`` where a GPU is present
+    (staging copies run at full speed and asynchronously), else ordinary memory."""
     if not _gpu_present():
         return np.empty(nbytes, np.uint8)
-    address = _C.cuda_host_alloc(nbytes)
+    address = _C.cuda_host_alloc(nbytes, device)
     array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
     weakref.finalize(array, _C.cuda_host_free, address)
     return array

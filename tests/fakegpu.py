@@ -4,14 +4,16 @@ They drive pycoll's CUDA code paths on machines without a GPU; the tests swap
 ``pycoll.tensors.stager`` for one whose copies are host memmoves that it counts.
 """
 import ctypes
+import types
 
 import numpy as np
 
 
 class FakeCudaArray:
-    def __init__(self, host: np.ndarray):
+    def __init__(self, host: np.ndarray, device: int = 0):
         self.host = np.ascontiguousarray(host)
         self.shape, self.dtype = self.host.shape, self.host.dtype
+        self.device = types.SimpleNamespace(id=device)      # as cupy's arrays say it
 
     @property
     def __cuda_array_interface__(self):
@@ -19,7 +21,7 @@ class FakeCudaArray:
                 "data": (self.host.ctypes.data, not self.host.flags.writeable), "strides": None}
 
     def copy(self):
-        return FakeCudaArray(self.host.copy())
+        return FakeCudaArray(self.host.copy(), self.device.id)
 
     def get(self) -> np.ndarray:
         return self.host
@@ -40,8 +42,10 @@ class CountingStager:
     def __init__(self):
         self.calls = 0
         self.scaled_bytes = 0
+        self.devices = set()            # the devices it was asked for
 
     def __call__(self, device: int) -> "CountingStager":
+        self.devices.add(device)
         return self
 
     def copy(self, dst: int, src: int, nbytes: int, after=None) -> None:

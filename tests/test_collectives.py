@@ -150,28 +150,15 @@ def test_cuda_aware_mpi_gets_gpu_memory_and_averages_on_the_gpu(group, fake_devi
     CUDA kernel on the GPU memory (here a host stand-in that records its calls)."""
     arg, rank, size = group
     monkeypatch.setitem(pycoll.config._overrides, "cuda_aware_mpi", True)
-    from pycoll import _C
-    scaled = []
-
-    class FakeCudaCore:
-        def __getattr__(self, name):
-            return getattr(_C, name)
-
-        def has_cuda(self):
-            return True
-
-        def cuda_scale(self, ptr, count, dtype, factor):
-            scaled.append(count)
-            _C.scale(ptr, count, dtype, factor)
-
-        def cuda_synchronize(self):
-            pass
-    monkeypatch.setattr(collectives, "_C", FakeCudaCore())
-    x = make(rank_input("float32", (5, 3), rank, op), "float32", "fake_cuda")
+    x = fakegpu.FakeCudaArray(rank_input("float32", (5, 3), rank, op).astype(np.float32),
+                              device=1)               # not device 0: the scale must follow it
+    monkeypatch.setattr(fakegpu, "empty", lambda shape, dtype: fakegpu.FakeCudaArray(
+        np.empty(shape, dtype), device=1))
     y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
     assert_matches(y, expected_reduce("float32", (5, 3), size, op), "float32")
     assert fake_device.calls == 0                      # MPI read the GPU memory itself
-    assert scaled == ([15] if op == "Average" else [])
+    assert fake_device.scaled_bytes == (60 if op == "Average" else 0)
+    assert fake_device.devices <= {1}
 
 
 def test_async_work_contract(group):

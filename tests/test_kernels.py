@@ -446,7 +446,7 @@ def test_cuda_streams_memcpy_and_pinned_memory():
     stream = torch.cuda.Stream()
     x = np.arange(1 << 20, dtype=np.float32)
     n = x.nbytes
-    pinned = _C.cuda_host_alloc(n)
+    pinned = _C.cuda_host_alloc(n, 0)
     try:
         ctypes.memmove(pinned, ptr(x), n)
         dev = Dev(np.zeros_like(x))
@@ -467,7 +467,7 @@ def test_cuda_streams_memcpy_and_pinned_memory():
 @cuda
 def test_cuda_errors_raise_runtime_error():
     with pytest.raises(RuntimeError, match="CUDA"):
-        _C.cuda_host_alloc(1 << 60)  # out of memory
+        _C.cuda_host_alloc(1 << 60, 0)  # out of memory
 
 
 @cuda

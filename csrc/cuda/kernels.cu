@@ -341,7 +341,8 @@ void scale_async(const std::vector<void*>& ptrs, const std::vector<size_t>& nbyt
     });
 }
 
-void* host_alloc(size_t nbytes) {
+void* host_alloc(size_t nbytes, int device) {
+    DeviceGuard on(device);  // in that device's context: none is made on another GPU
     void* p = nullptr;
     check(cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocPortable), "cuda_host_alloc");
     return p;

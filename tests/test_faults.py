@@ -95,16 +95,21 @@ def test_killed_worker_ends_the_job_and_is_named(tmp_path):
 def test_bad_input_leaves_the_group_usable():
     import pycoll
     pycoll.init()
-    bad = [lambda: pycoll.allreduce(np.zeros((4, 4))[:, ::2]),
-           lambda: pycoll.allreduce_(np.frombuffer(b"abcd", np.uint8)),
-           lambda: pycoll.allreduce(np.zeros(3, bool)),
-           lambda: pycoll.allreduce(np.zeros(3, np.int32), op=pycoll.Average),
-           lambda: pycoll.broadcast(np.zeros(3), root=-1),
-           lambda: pycoll.alltoall(np.zeros(3), splits=[5] * pycoll.size()),
-           lambda: pycoll.allreduce(np.zeros(3), group="everyone"),
-           lambda: pycoll.allreduce(np.zeros(3), op="mean")]
-    for call in bad:
-        with pytest.raises((ValueError, TypeError)):
+    bad = [(ValueError, "needs a contiguous tensor",
+            lambda: pycoll.allreduce(np.zeros((4, 4))[:, ::2])),
+           (ValueError, "read-only", lambda: pycoll.allreduce_(np.frombuffer(b"abcd", np.uint8))),
+           (TypeError, "does not support dtype bool", lambda: pycoll.allreduce(np.zeros(3, bool))),
+           (TypeError, "Average of int32 tensors would truncate",
+            lambda: pycoll.allreduce(np.zeros(3, np.int32), op=pycoll.Average)),
+           (ValueError, "root must be a rank", lambda: pycoll.broadcast(np.zeros(3), root=-1)),
+           (ValueError, "alltoall splits must be",
+            lambda: pycoll.alltoall(np.zeros(3), splits=[5] * pycoll.size())),
+           (TypeError, "group must be None, a pycoll.Group or an mpi4py communicator",
+            lambda: pycoll.allreduce(np.zeros(3), group="everyone")),
+           (ValueError, "unknown reduction 'mean'",
+            lambda: pycoll.allreduce(np.zeros(3), op="mean"))]
+    for kind, message, call in bad:
+        with pytest.raises(kind, match=message):
             call()
     np.testing.assert_array_equal(pycoll.allreduce(np.ones(3), op=pycoll.Sum), pycoll.size())
 

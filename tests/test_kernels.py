@@ -325,6 +325,32 @@ def test_runs_without_gil_in_threads():
         assert (a == i + 1).all()
 
 
+def test_python_threads_progress_during_a_long_kernel():
+    """While one thread is inside a long kernel, another runs Python code; with the GIL
+    held it could not run at all until the call returned."""
+    import threading
+    import time
+    a, b = np.zeros(1 << 25, np.float32), np.ones(1 << 25, np.float32)     # 128 MiB each
+    inside = threading.Event()
+    ticks = []
+
+    def count():
+        inside.wait()
+        while inside.is_set():
+            ticks.append(time.perf_counter())
+    counter = threading.Thread(target=count)
+    counter.start()
+    inside.set()
+    time.sleep(0.01)                   # the counter is running
+    start = time.perf_counter()
+    _C.reduce(ptr(a), ptr(b), a.size, "float32", "sum")
+    end = time.perf_counter()
+    inside.clear()
+    counter.join()
+    assert (a == 1).all()
+    assert sum(start < t < end for t in ticks) > 100, "no Python ran during the kernel"
+
+
 # ---- CUDA: same checks on device memory (skipped without a GPU) -----------------------------
 
 def _cuda_ready():

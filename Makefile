@@ -1,6 +1,7 @@
 # make demo: set up .venv and train the digits MLP on 4 ranks.
 # make test: set up .venv and run the whole test suite (unit tests, then the
-#            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks).
+#            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
+#            configuration at 2 and 4, and over TCP at 3).
 # make bench: the collectives and fusion benchmarks at 2 and 4 ranks (bench/results/).
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -26,12 +27,21 @@ $(VENV)/.installed: $(SOURCES)
 demo: install
 	$(RUN) -np 4 python examples/train_digits.py
 
+# The multi-rank tests run with mismatch checks (PYCOLL_CHECK=1: a broken test fails
+# loudly), then as users run them (checks off: the compiled short path and one-pass
+# grouped reader), then over TCP on loopback, as between hosts.
 test: install
 	$(PY) $(PYTEST) -q tests
 	for n in 1 2 3 4; do \
 	  echo "== multi-rank tests at $$n ranks"; \
 	  $(RUN) -np $$n python $(PYTEST) -q --with-mpi -m mpi tests || exit 1; \
 	done
+	for n in 2 4; do \
+	  echo "== multi-rank tests at $$n ranks, default configuration"; \
+	  PYCOLL_CHECK=0 $(RUN) -np $$n python $(PYTEST) -q --with-mpi -m mpi tests || exit 1; \
+	done
+	echo "== multi-rank tests at 3 ranks over TCP (btl tcp,self), default configuration"
+	OMPI_MCA_btl=tcp,self PYCOLL_CHECK=0 $(RUN) -np 3 python $(PYTEST) -q --with-mpi -m mpi tests
 
 bench: install
 	mkdir -p bench/results

@@ -69,15 +69,19 @@ PYBIND11_MODULE(_C, m) {
          "allreduce_now(x, inplace, op, group, name): a blocking allreduce of a contiguous host tensor straight to "
          "MPI_Allreduce, without the GIL, while the engine is idle; the result (x itself in place), or None where "
          "the general path must run it. After short_path_setup."},
-        {"engine_claim", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::engine_claim)),
-         METH_FASTCALL, "engine_claim(engine, name) -> bool: Engine.claim."},
-        {"engine_release", short_path::engine_release, METH_O, "engine_release(engine): Engine.release."},
         {"short_path_runs", short_path::count, METH_NOARGS,
          "How many allreduces allreduce_now has run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
-         METH_VARARGS | METH_KEYWORDS, "The Python objects allreduce_now reads (collectives.py passes them once)."},
+         METH_VARARGS | METH_KEYWORDS,
+         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, mpi_error, in_place): the functions "
+         "allreduce_now calls (collectives.py passes them once)."},
+        {"short_path_settings", short_path::configure, METH_VARARGS,
+         "short_path_settings(enabled, max_bytes): whether allreduce_now runs, and the largest tensor it takes."},
+        {"short_path_bind", short_path::bind, METH_VARARGS,
+         "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
+         "short_path_bind(None): none (pycoll.shutdown)."},
     };
-    if (!short_path::init()) throw py::error_already_set();
+    if (!short_path::init(m.ptr())) throw py::error_already_set();
     for (auto& def : fast) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
     m.def(
         "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },

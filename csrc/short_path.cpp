@@ -1,15 +1,20 @@
 // The blocking allreduce's short path (collectives.allreduce and allreduce_), and the
-// engine's claim and release that it shares with Engine.run. A contiguous host tensor of
-// one piece, while the engine is idle, goes straight to MPI_Allreduce. Written in Python
-// its steps cost 1.1 us, twice the MPI call at 4 ranks on 2 cores, where each
-// microsecond a rank spends outside MPI delays every peer sharing its core; here they cost
-// little more than torch's own accessors. It reads the Python objects that short_path_setup
-// was given once (collectives.py): anything it cannot read or route, it leaves (None) to
-// the general path, which says what is wrong.
+// engine's Gate that it shares with the engine's thread. A contiguous host tensor of one
+// piece, while the engine is idle, goes straight to MPI_Allreduce. Written in Python its
+// steps cost 1.1 us, twice the MPI call at 4 ranks on 2 cores, where each microsecond a
+// rank spends outside MPI delays every peer sharing its core; here they cost little more
+// than torch's own accessors.
+//
+// It reads no Python module's state: what it needs arrives as arguments. Functions, once
+// (short_path_setup); settings, whenever they change (short_path_settings); the world
+// and the engine's Gate, at init and shutdown (short_path_bind). Anything it cannot read
+// or route, it leaves (None) to the general path, which says what is wrong.
 #include "short_path.h"
 
 #include <climits>
 #include <ctime>
+#include <memory>
+#include <stdexcept>
 
 #include "kernels.h"
 #include "mpi_calls.h"
@@ -33,64 +38,186 @@ class Ref {
     PyObject* p_;
 };
 
-struct Context {
-    PyObject* ndarray = nullptr;        // numpy.ndarray, read through the buffer protocol
-    PyObject* readers = nullptr;        // tensors._READERS: class -> reader
-    PyObject* find_reader = nullptr;    // tensors._reader(x): a class met first, added to readers
-    PyObject* torch_reader = nullptr;   // tensors._from_torch: classes read with torch's accessors
-    PyObject* routes = nullptr;         // (op, x.dtype) -> collectives._Route
-    PyObject* find_route = nullptr;     // collectives._short_route(op, x): the route, added to routes
-    PyObject* overrides = nullptr;      // config._overrides, then
-    PyObject* environment = nullptr;    // config._from_environment, else
-    PyObject* get_knob = nullptr;       // config.get, which fills it
-    PyObject* state = nullptr;          // runtime._state: .world, .engine
-    PyObject* resolve = nullptr;        // runtime.resolve(group)
-    PyObject* empty_like = nullptr;     // tensors.empty_like(x, shape)
-    PyObject* mpi_error = nullptr;      // mpi4py.MPI.Exception
-    intptr_t in_place = 0;              // MPI_IN_PLACE
-    bool ready = false;
-};
-
-Context ctx;
-unsigned long long runs = 0;
-
-struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *world, *engine, *handle, *ranks,
-        *idle, *queued, *open, *running, *notify, *pop, *append, *check, *chunk_bytes, *allreduce;
-} s;
-
-}  // namespace
-
-bool init() {
-    struct { PyObject** slot; const char* text; } all[] = {
-        {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
-        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.world, "world"},
-        {&s.engine, "engine"}, {&s.handle, "handle"}, {&s.ranks, "ranks"}, {&s.idle, "_idle"},
-        {&s.queued, "_ready"}, {&s.open, "_open"}, {&s.running, "_running"}, {&s.notify, "_notify"},
-        {&s.pop, "pop"}, {&s.append, "append"}, {&s.check, "check"}, {&s.chunk_bytes, "chunk_bytes"},
-        {&s.allreduce, "allreduce"},
-    };
-    for (auto& name : all)
-        if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
-    return true;
-}
-
-namespace {
-
-// config.get(name), with its precedence (override, then environment), without a Python call.
-PyObject* knob(PyObject* name) {  // borrowed from config's dicts
-    PyObject* value = PyDict_GetItemWithError(ctx.overrides, name);
-    if (!value && !PyErr_Occurred()) value = PyDict_GetItemWithError(ctx.environment, name);
-    if (value || PyErr_Occurred()) return value;
-    Ref parsed(PyObject_CallOneArg(ctx.get_knob, name));  // first use: parses the variable
-    return parsed ? PyDict_GetItemWithError(ctx.environment, name) : nullptr;
-}
+PyObject* none() { Py_RETURN_NONE; }
 
 double monotonic() {  // time.monotonic()'s clock: the watchdog compares with it
     timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);  // to the tick: the watchdog counts seconds
     return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
+
+bool as_ptr(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints too (MPICH)
+    out = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(obj));
+    return !(out == 0 && PyErr_Occurred());
+}
+
+// ---------------------------------------------------------------- the Gate
+
+// Who runs the next operation of a process: the engine's thread or a caller. All of its
+// state changes with the GIL held, so each method is atomic.
+struct Gate {
+    PyObject_HEAD
+    PyObject* wake;     // called by release() when work is pending: the engine's thread may sleep
+    PyObject* running;  // (name, start) of what runs now, or None
+    Py_ssize_t pending; // batches queued or open, as the engine last said
+    bool idle;          // the token is here
+};
+
+// The token for a caller, if nothing issued earlier is queued or open (that runs first).
+bool claim(Gate* g, PyObject* name) {
+    if (!g->idle || g->pending) return false;
+    PyObject* running = Py_BuildValue("(Od)", name, monotonic());
+    if (!running) return false;
+    g->idle = false;
+    Py_SETREF(g->running, running);
+    return true;
+}
+
+int release(Gate* g) {
+    g->idle = true;
+    Py_SETREF(g->running, Py_NewRef(Py_None));
+    if (!g->pending) return 0;
+    Ref done(PyObject_CallNoArgs(g->wake));
+    return done ? 0 : -1;
+}
+
+int gate_init(PyObject* self, PyObject* args, PyObject* kwargs) {
+    static const char* keywords[] = {"wake", nullptr};
+    PyObject* wake;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Gate", const_cast<char**>(keywords), &wake)) return -1;
+    auto* g = reinterpret_cast<Gate*>(self);
+    Py_XSETREF(g->wake, Py_NewRef(wake));
+    Py_XSETREF(g->running, Py_NewRef(Py_None));
+    g->pending = 0;
+    g->idle = true;
+    return 0;
+}
+
+void gate_dealloc(PyObject* self) {
+    auto* g = reinterpret_cast<Gate*>(self);
+    Py_XDECREF(g->wake);
+    Py_XDECREF(g->running);
+    Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* gate_claim(PyObject* self, PyObject* name) {
+    bool claimed = claim(reinterpret_cast<Gate*>(self), name);
+    if (PyErr_Occurred()) return nullptr;
+    return PyBool_FromLong(claimed);
+}
+
+PyObject* gate_take(PyObject* self, PyObject*) {
+    auto* g = reinterpret_cast<Gate*>(self);
+    const bool took = g->idle;
+    g->idle = false;
+    return PyBool_FromLong(took);
+}
+
+PyObject* gate_running_as(PyObject* self, PyObject* name) {
+    auto* g = reinterpret_cast<Gate*>(self);
+    PyObject* running = Py_BuildValue("(Od)", name, monotonic());
+    if (!running) return nullptr;
+    Py_SETREF(g->running, running);
+    Py_RETURN_NONE;
+}
+
+PyObject* gate_release(PyObject* self, PyObject*) {
+    if (release(reinterpret_cast<Gate*>(self)) < 0) return nullptr;
+    Py_RETURN_NONE;
+}
+
+PyObject* gate_running(PyObject* self, PyObject*) { return Py_NewRef(reinterpret_cast<Gate*>(self)->running); }
+
+PyObject* gate_get_pending(PyObject* self, void*) { return PyLong_FromSsize_t(reinterpret_cast<Gate*>(self)->pending); }
+
+int gate_set_pending(PyObject* self, PyObject* value, void*) {
+    const Py_ssize_t n = value ? PyLong_AsSsize_t(value) : -1;
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Gate.pending takes a count >= 0");
+        return -1;
+    }
+    reinterpret_cast<Gate*>(self)->pending = n;
+    return 0;
+}
+
+PyObject* gate_get_idle(PyObject* self, void*) { return PyBool_FromLong(reinterpret_cast<Gate*>(self)->idle); }
+
+PyMethodDef gate_methods[] = {
+    {"claim", gate_claim, METH_O,
+     "claim(name) -> bool: the token for the caller, if idle and nothing is pending; records name as running."},
+    {"take", gate_take, METH_NOARGS, "take() -> bool: the token, if idle, to run pending work (the engine's thread)."},
+    {"running_as", gate_running_as, METH_O, "running_as(name): record what the holder of the token runs now."},
+    {"release", gate_release, METH_NOARGS, "release(): the token back; wake() if work is pending."},
+    {"running", gate_running, METH_NOARGS, "running() -> (name, start) or None: what runs now (time.monotonic())."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef gate_getset[] = {
+    {"pending", gate_get_pending, gate_set_pending, "batches queued or open (the engine sets it)", nullptr},
+    {"idle", gate_get_idle, nullptr, "whether the token is here", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyTypeObject gate_type = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "pycoll._C.Gate";
+    t.tp_basicsize = sizeof(Gate);
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc =
+        "Gate(wake): the engine's token. The engine's thread takes it to run queued work; a caller claims it to run "
+        "one operation in its own thread when nothing is pending. wake() is called when it is released with work "
+        "pending.";
+    t.tp_new = PyType_GenericNew;
+    t.tp_init = gate_init;
+    t.tp_dealloc = gate_dealloc;
+    t.tp_methods = gate_methods;
+    t.tp_getset = gate_getset;
+    return t;
+}();
+
+// ---------------------------------------------------------------- what it was given
+
+struct Functions {
+    PyObject* ndarray = nullptr;     // numpy.ndarray: read through the buffer protocol
+    PyObject* is_torch = nullptr;    // is_torch(x) -> bool: read with torch's accessors
+    PyObject* find_route = nullptr;  // find_route(op, x) -> (datatype, op, itemsize, average, dtype)
+    PyObject* resolve = nullptr;     // resolve(group) -> an object with .handle and .ranks
+    PyObject* empty_like = nullptr;  // empty_like(x, shape): the out-of-place result
+    PyObject* mpi_error = nullptr;   // mpi4py.MPI.Exception
+    intptr_t in_place = 0;           // MPI_IN_PLACE
+    PyObject* kinds = nullptr;       // type -> is_torch's answer, ours
+    PyObject* routes = nullptr;      // (op, dtype) -> capsule of a Route, ours
+    bool ready = false;
+} fn;
+
+struct Settings {
+    bool enabled = false;    // PYCOLL_CHECK and the like turn it off
+    Py_ssize_t max_bytes = 0;  // larger allreduces go in pieces (PYCOLL_CHUNK_BYTES)
+} settings;
+
+struct World {
+    Gate* gate = nullptr;  // the engine's; nullptr while pycoll is not initialized
+    intptr_t comm = 0;
+    Py_ssize_t size = 0;
+} world;
+
+unsigned long long runs = 0;
+
+struct Names {
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *allreduce;
+} s;
+
+// How an (op, dtype) allreduce goes to MPI_Allreduce.
+struct Route {
+    intptr_t datatype, op;
+    Py_ssize_t itemsize;
+    bool average;
+    DType dt;
+};
+
+void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPointer(capsule, "pycoll.Route")); }
+
+// ---------------------------------------------------------------- reading a tensor
 
 // Where a host tensor's bytes are: its address, size and dtype object. 0: read; 1: not a
 // tensor this path reads (the general path then does); -1: error.
@@ -101,7 +228,7 @@ struct Host {
 };
 
 int read_host(PyObject* x, bool writable, Host& out) {
-    if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == ctx.ndarray) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == fn.ndarray) {
         Py_buffer view;
         if (PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) {
             PyErr_Clear();  // read-only, strided, or a dtype PEP 3118 cannot name
@@ -113,14 +240,16 @@ int read_host(PyObject* x, bool writable, Host& out) {
         out.dtype.reset(PyObject_GetAttr(x, s.dtype));
         return out.dtype ? 0 : -1;
     }
-    PyObject* reader = PyDict_GetItemWithError(ctx.readers, reinterpret_cast<PyObject*>(Py_TYPE(x)));
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
+    PyObject* torch = PyDict_GetItemWithError(fn.kinds, type);
     Ref found;
-    if (!reader) {
+    if (!torch) {
         if (PyErr_Occurred()) return -1;
-        found.reset(PyObject_CallOneArg(ctx.find_reader, x));  // raises for what pycoll cannot read
-        if (!(reader = found.get())) return -1;
+        found.reset(PyObject_CallOneArg(fn.is_torch, x));  // raises for what pycoll cannot read
+        if (!found || PyDict_SetItem(fn.kinds, type, found.get()) < 0) return -1;
+        torch = found.get();
     }
-    if (reader != ctx.torch_reader) return 1;
+    if (torch != Py_True) return 1;
     Ref cpu(PyObject_GetAttr(x, s.is_cpu));
     if (!cpu) return -1;
     if (cpu.get() != Py_True) return 1;
@@ -136,58 +265,49 @@ int read_host(PyObject* x, bool writable, Host& out) {
     return out.dtype ? 0 : -1;
 }
 
-// The route of (op, dtype); nullptr with no error: an op that is not even hashable.
-PyObject* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
+// The route of (op, dtype), borrowed from our table; nullptr with no error: an op that is not
+// even hashable (the general path names what is wrong with it).
+const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     Ref key(PyTuple_Pack(2, op, dtype));
     if (!key) return nullptr;
-    PyObject* route = PyDict_GetItemWithError(ctx.routes, key.get());
-    if (route) return Py_INCREF(route), route;
-    if (PyErr_Occurred()) {  // an unhashable op: the general path names what is wrong with it
+    PyObject* capsule = PyDict_GetItemWithError(fn.routes, key.get());
+    if (capsule) return static_cast<const Route*>(PyCapsule_GetPointer(capsule, "pycoll.Route"));
+    if (PyErr_Occurred()) {
         PyErr_Clear();
         return nullptr;
     }
     PyObject* args[] = {op, x};
-    Ref found(PyObject_Vectorcall(ctx.find_route, args, 2, nullptr));
-    if (found && !(PyTuple_Check(found.get()) && PyTuple_GET_SIZE(found.get()) == 5)) {
-        PyErr_SetString(PyExc_TypeError, "short path: find_route must return a collectives._Route");
+    Ref found(PyObject_Vectorcall(fn.find_route, args, 2, nullptr));  // raises as the general path
+    if (!found) return nullptr;
+    PyObject *datatype, *mpi_op;
+    Py_ssize_t itemsize;
+    int average;
+    const char* name;
+    if (!PyArg_ParseTuple(found.get(), "OOnpz:find_route's result", &datatype, &mpi_op, &itemsize, &average, &name))
+        return nullptr;
+    auto route = std::make_unique<Route>();
+    if (!as_ptr(datatype, route->datatype) || !as_ptr(mpi_op, route->op)) return nullptr;
+    if (itemsize <= 0) {
+        PyErr_SetString(PyExc_ValueError, "find_route: itemsize must be positive");
         return nullptr;
     }
-    return found.release();
+    route->itemsize = itemsize;
+    route->average = average;
+    try {
+        route->dt = parse_dtype(name);
+    } catch (const std::invalid_argument& error) {
+        PyErr_SetString(PyExc_ValueError, error.what());
+        return nullptr;
+    }
+    Ref held(PyCapsule_New(route.get(), "pycoll.Route", free_route));
+    if (!held) return nullptr;
+    const Route* kept = route.release();
+    return PyDict_SetItem(fn.routes, key.get(), held.get()) < 0 ? nullptr : kept;
 }
 
-PyObject* none() { Py_RETURN_NONE; }
-
-bool as_ptr(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints too (MPICH)
-    out = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(obj));
-    return !(out == 0 && PyErr_Occurred());
-}
-
-// What claim and release use of the engine they last saw, looked up once: Engine binds
-// _idle and _ready in __init__ and never again. The references keep that engine alive,
-// so a new one cannot take its address.
-struct EngineParts {
-    PyObject* engine = nullptr;
-    PyObject* pop = nullptr;     // engine._idle.pop
-    PyObject* append = nullptr;  // engine._idle.append
-    PyObject* queued = nullptr;  // engine._ready
-};
-EngineParts last_engine;
-
-const EngineParts* parts_of(PyObject* engine) {
-    if (engine == last_engine.engine) return &last_engine;
-    Ref idle(PyObject_GetAttr(engine, s.idle));
-    Ref queued(idle ? PyObject_GetAttr(engine, s.queued) : nullptr);
-    Ref pop(queued ? PyObject_GetAttr(idle.get(), s.pop) : nullptr);
-    Ref append(pop ? PyObject_GetAttr(idle.get(), s.append) : nullptr);
-    if (!append) return nullptr;
-    Py_INCREF(engine);
-    EngineParts old = last_engine;
-    last_engine = {engine, pop.release(), append.release(), queued.release()};
-    for (PyObject* held : {old.engine, old.pop, old.append, old.queued}) Py_XDECREF(held);
-    return &last_engine;
-}
-
-// The communicator handle and size of the group last used, likewise (a Group's are fixed).
+// The communicator handle and size of the group last resolved (a group's are fixed: the
+// resolver refuses one that shutdown released). The reference keeps that group alive, so
+// another cannot take its address.
 struct GroupParts {
     PyObject* group = nullptr;
     intptr_t comm = 0;
@@ -202,73 +322,70 @@ const GroupParts* parts_of_group(PyObject* group) {
     if (!handle || !ranks || !as_ptr(handle.get(), comm)) return nullptr;
     Py_ssize_t size = PyObject_Length(ranks.get());
     if (size < 0) return nullptr;
-    Py_INCREF(group);
-    PyObject* old = last_group.group;
-    last_group = {group, comm, size};
-    Py_XDECREF(old);
+    Py_XSETREF(last_group.group, Py_NewRef(group));
+    last_group.comm = comm;
+    last_group.size = size;
     return &last_group;
-}
-
-// claim and release, shared by allreduce_now and the engine_* functions: 1 claimed, 0 not,
-// -1 error.
-int release(PyObject* engine);
-
-// The idle token, if nothing issued earlier is queued or open. Here and in release no
-// Python code runs between parts_of and the last use of its parts.
-int claim(PyObject* engine, PyObject* name) {
-    const EngineParts* e = parts_of(engine);
-    if (!e) return -1;
-    Ref token(PyObject_CallNoArgs(e->pop));  // atomic: the GIL is held throughout
-    if (!token) {
-        if (!PyErr_ExceptionMatches(PyExc_IndexError)) return -1;
-        PyErr_Clear();  // running: someone else has it
-        return 0;
-    }
-    Ref open(PyObject_GetAttr(engine, s.open));
-    const Py_ssize_t queued = open ? PyObject_Length(e->queued) : -1;
-    if (queued < 0) return -1;
-    if (queued || open.get() != Py_None)  // issued earlier: that runs first
-        return release(engine) < 0 ? -1 : 0;
-    Ref start(PyFloat_FromDouble(monotonic()));
-    Ref running(start ? PyTuple_Pack(2, name, start.get()) : nullptr);
-    if (!running || PyObject_SetAttr(engine, s.running, running.get()) < 0) {
-        release(engine);
-        return -1;
-    }
-    return 1;
-}
-
-// The token back; the engine's thread woken if work was queued while it was out (the thread
-// may have found it gone and gone to sleep).
-int release(PyObject* engine) {
-    const EngineParts* e = parts_of(engine);
-    if (!e || PyObject_SetAttr(engine, s.running, Py_None) < 0) return -1;
-    Ref back(PyObject_CallOneArg(e->append, Py_True));
-    if (!back) return -1;
-    const Py_ssize_t queued = PyObject_Length(e->queued);  // meanwhile, by another thread
-    if (queued <= 0) return queued < 0 ? -1 : 0;
-    Ref done(PyObject_CallMethodNoArgs(engine, s.notify));
-    return done ? 0 : -1;
 }
 
 }  // namespace
 
+bool init(PyObject* module) {
+    struct { PyObject** slot; const char* text; } all[] = {
+        {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
+        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
+        {&s.ranks, "ranks"}, {&s.allreduce, "allreduce"},
+    };
+    for (auto& name : all)
+        if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
+    if (PyType_Ready(&gate_type) < 0) return false;
+    return PyModule_AddObjectRef(module, "Gate", reinterpret_cast<PyObject*>(&gate_type)) == 0;
+}
+
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
-    static const char* keywords[] = {"ndarray", "readers", "find_reader", "torch_reader", "routes", "find_route", "overrides",
-                                     "environment", "get_knob", "state", "resolve", "empty_like", "mpi_error",
+    static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "mpi_error",
                                      "in_place", nullptr};
-    Context c;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!OOO!OO!O!OOOOOn:short_path_setup",
-                                     const_cast<char**>(keywords), &PyType_Type, &c.ndarray, &PyDict_Type,
-                                     &c.readers, &c.find_reader, &c.torch_reader, &PyDict_Type, &c.routes, &c.find_route,
-                                     &PyDict_Type, &c.overrides, &PyDict_Type, &c.environment, &c.get_knob,
-                                     &c.state, &c.resolve, &c.empty_like, &c.mpi_error, &c.in_place))
+    Functions f;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOn:short_path_setup", const_cast<char**>(keywords),
+                                     &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
+                                     &f.mpi_error, &f.in_place))
         return nullptr;
-    for (PyObject* held : {c.ndarray, c.readers, c.find_reader, c.torch_reader, c.routes, c.find_route, c.overrides,
-                           c.environment, c.get_knob, c.state, c.resolve, c.empty_like, c.mpi_error})
+    f.kinds = PyDict_New();
+    f.routes = PyDict_New();
+    if (!f.kinds || !f.routes) return nullptr;
+    for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
-    c.ready = true;
-    ctx = c;
+    f.ready = true;
+    fn = f;
+    Py_RETURN_NONE;
+}
+
+PyObject* configure(PyObject*, PyObject* args) {
+    int enabled;
+    Py_ssize_t max_bytes;
+    if (!PyArg_ParseTuple(args, "pn:short_path_settings", &enabled, &max_bytes)) return nullptr;
+    settings = {enabled != 0, max_bytes};
+    Py_RETURN_NONE;
+}
+
+PyObject* bind(PyObject*, PyObject* args) {
+    PyObject *gate, *handle = nullptr;
+    Py_ssize_t size = 0;
+    if (!PyArg_ParseTuple(args, "O|On:short_path_bind", &gate, &handle, &size)) return nullptr;
+    if (gate == Py_None) {
+        Py_CLEAR(world.gate);
+        Py_CLEAR(last_group.group);  // its handle is being freed
+        Py_RETURN_NONE;
+    }
+    intptr_t comm;
+    if (!PyObject_TypeCheck(gate, &gate_type) || !handle || !as_ptr(handle, comm) || size <= 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "short_path_bind(gate, world_handle, world_size) or short_path_bind(None)");
+        return nullptr;
+    }
+    Py_XSETREF(world.gate, reinterpret_cast<Gate*>(Py_NewRef(gate)));
+    world.comm = comm;
+    world.size = size;
     Py_RETURN_NONE;
 }
 
@@ -279,97 +396,63 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject *x = args[0], *op = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
-    if (!ctx.ready || !mpi::bound()) Py_RETURN_NONE;
-    PyObject* check = knob(s.check);
-    if (!check) return nullptr;
-    int checking = PyObject_IsTrue(check);
-    if (checking) return checking < 0 ? nullptr : none();  // the ranks compare first
+    Gate* gate = world.gate;
+    if (!fn.ready || !settings.enabled || !gate || !mpi::bound()) Py_RETURN_NONE;
 
     Host in;
     if (int read = read_host(x, inplace, in)) return read < 0 ? nullptr : none();
-    Ref held_route(route_of(op, x, in.dtype.get()));
-    PyObject* route = held_route.get();
+    const Route* route = route_of(op, x, in.dtype.get());
     if (!route) return PyErr_Occurred() ? nullptr : none();
-    PyObject* limit = knob(s.chunk_bytes);
-    if (!limit) return nullptr;
-    Py_ssize_t chunk = PyLong_AsSsize_t(limit);
-    if (chunk == -1 && PyErr_Occurred()) return nullptr;
-    if (in.nbytes > chunk) Py_RETURN_NONE;  // in pieces, that stay in cache
-    intptr_t datatype, mpi_op;
-    Py_ssize_t itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(route, 2));
-    int average = PyObject_IsTrue(PyTuple_GET_ITEM(route, 3));
-    if (!as_ptr(PyTuple_GET_ITEM(route, 0), datatype) || !as_ptr(PyTuple_GET_ITEM(route, 1), mpi_op) ||
-        itemsize <= 0 || average < 0)
-        return PyErr_Occurred() ? nullptr : none();
-    const Py_ssize_t count = in.nbytes / itemsize;
+    if (in.nbytes > settings.max_bytes) Py_RETURN_NONE;  // in pieces, that stay in cache
+    const Py_ssize_t count = in.nbytes / route->itemsize;
     if (count > INT_MAX) Py_RETURN_NONE;
 
-    Ref grp(group == Py_None ? PyObject_GetAttr(ctx.state, s.world) : PyObject_CallOneArg(ctx.resolve, group));
-    Ref engine(PyObject_GetAttr(ctx.state, s.engine));
-    if (!grp || !engine) return nullptr;
-    if (grp.get() == Py_None || engine.get() == Py_None) Py_RETURN_NONE;  // not initialized: the general path says so
-    const GroupParts* g = parts_of_group(grp.get());
-    if (!g) return nullptr;
-    const intptr_t comm = g->comm;  // copied: another thread may change the cache meanwhile
-    const Py_ssize_t size = g->size;
+    intptr_t comm = world.comm;
+    Py_ssize_t size = world.size;
+    if (group != Py_None) {
+        Ref grp(PyObject_CallOneArg(fn.resolve, group));  // raises for what cannot be used
+        if (!grp) return nullptr;
+        const GroupParts* g = parts_of_group(grp.get());
+        if (!g) return nullptr;
+        comm = g->comm;  // copied: another thread may change the cache meanwhile
+        size = g->size;
+    }
 
     Ref out;
     Host result;
     if (inplace) {
-        Py_INCREF(x);
-        out.reset(x);
+        out.reset(Py_NewRef(x));
     } else {
         Ref shape(PyObject_GetAttr(x, s.shape));
-        out.reset(shape ? PyObject_CallFunctionObjArgs(ctx.empty_like, x, shape.get(), nullptr) : nullptr);
+        out.reset(shape ? PyObject_CallFunctionObjArgs(fn.empty_like, x, shape.get(), nullptr) : nullptr);
         if (!out) return nullptr;
         if (int read = read_host(out.get(), true, result)) return read < 0 ? nullptr : none();
     }
-    int claimed = claim(engine.get(), name == Py_None ? s.allreduce : name);
-    if (claimed <= 0) return claimed < 0 ? nullptr : none();  // earlier work: the engine runs it first
-    const void* send = inplace ? reinterpret_cast<const void*>(ctx.in_place) : in.ptr;
+    Py_INCREF(gate);  // bind(None) may run in another thread while MPI runs
+    Ref held(reinterpret_cast<PyObject*>(gate));
+    if (!claim(gate, name == Py_None ? s.allreduce : name))
+        return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
+    const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
     void* recv = inplace ? in.ptr : result.ptr;
     int code;
     Py_BEGIN_ALLOW_THREADS
-    code = mpi::allreduce(send, recv, static_cast<int>(count), datatype, mpi_op, comm);
+    code = mpi::allreduce(send, recv, static_cast<int>(count), route->datatype, route->op, comm);
     Py_END_ALLOW_THREADS
     ++runs;
-    if (release(engine.get()) < 0) return nullptr;
+    if (release(gate) < 0) return nullptr;
     if (code) {
-        Ref error(PyObject_CallFunction(ctx.mpi_error, "i", code));
-        if (error) PyErr_SetObject(ctx.mpi_error, error.get());
+        Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
+        if (error) PyErr_SetObject(fn.mpi_error, error.get());
         return nullptr;
     }
-    if (average) {
-        Ref dtype_name(PyObject_GetAttr(route, s.dtype));
-        const char* text = dtype_name ? PyUnicode_AsUTF8(dtype_name.get()) : nullptr;
-        if (!text) return nullptr;
-        DType dt;
-        try {
-            dt = parse_dtype(text);
-        } catch (const std::invalid_argument& error) {
-            PyErr_SetString(PyExc_ValueError, error.what());
-            return nullptr;
-        }
+    if (route->average) {
         const double factor = 1.0 / static_cast<double>(size);
+        const DType dt = route->dt;
         Py_BEGIN_ALLOW_THREADS
         cpu::scale(recv, static_cast<size_t>(count), dt, factor);
         Py_END_ALLOW_THREADS
     }
     return out.release();
-}
-
-PyObject* engine_claim(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "engine_claim(engine, name) takes 2 arguments");
-        return nullptr;
-    }
-    int claimed = claim(args[0], args[1]);
-    return claimed < 0 ? nullptr : PyBool_FromLong(claimed);
-}
-
-PyObject* engine_release(PyObject*, PyObject* engine) {
-    if (release(engine) < 0) return nullptr;
-    Py_RETURN_NONE;
 }
 
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }

@@ -196,45 +196,31 @@ def _allreduce_one(item: _Allreduce):
     return item.out
 
 
-class _Route(NamedTuple):
-    """How an (op, dtype) allreduce goes to MPI_Allreduce from _C: mpi4py's handles."""
-    datatype: int
-    op: int
-    itemsize: int
-    average: bool
-    dtype: str
-
-
-# (op, x.dtype) -> _Route: what the short path (_C.allreduce_now) looks up, filled by
-# _short_route the first time it meets a pair.
-_routes: dict = {}
 # "" once _C has found MPI_Allreduce in the MPI that mpi4py loaded; else why not (the
 # short path is then off, and every allreduce goes through mpi4py).
 _MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
 
 
-def _short_route(op, x) -> _Route:
-    """The route of allreduce ``op`` on ``x``, a host tensor the short path has read, kept
-    in ``_routes``. Raises as the general path would for an unknown op or one the dtype
-    cannot take."""
+def _short_route(op, x) -> tuple:
+    """How allreduce ``op`` of ``x`` (a host tensor the short path has read) goes to
+    MPI_Allreduce: (datatype handle, op handle, itemsize, average, dtype). Raises as the
+    general path would for an unknown op or one the dtype cannot take. The short path
+    asks once per (op, x.dtype) and keeps the answer."""
     op, dtype = _reduce_op(op), as_buffer(x).dtype   # "sum" is ReduceOp.SUM's key too
     _check_reduction(op, dtype)
-    route = _routes[op, x.dtype] = _Route(MPI._handleof(_MPI_TYPES[dtype]),
-                                          MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
-                                          op is Average, dtype)
-    return route
+    return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
+            op is Average, dtype)
 
 
 # The blocking allreduce's short path, in C (csrc/short_path.cpp): a contiguous host
 # tensor of one piece, while the engine is idle, goes straight to MPI_Allreduce. At a few
 # bytes the general path's planning and mpi4py's argument handling cost several times
-# the reduction. These are the objects it reads.
-_C.short_path_setup(ndarray=np.ndarray, readers=tensors._READERS, find_reader=tensors._reader,
-                    torch_reader=tensors._from_torch, routes=_routes, find_route=_short_route,
-                    overrides=config._overrides, environment=config._from_environment,
-                    get_knob=config.get, state=runtime._state, resolve=runtime.resolve,
-                    empty_like=tensors.empty_like, mpi_error=MPI.Exception,
-                    in_place=int(MPI.IN_PLACE))
+# the reduction. These are the functions it calls; runtime binds the world and the gate.
+_C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
+                    resolve=runtime.resolve, empty_like=tensors.empty_like,
+                    mpi_error=MPI.Exception, in_place=int(MPI.IN_PLACE))
+# Mismatch checks compare what ranks submit before each collective: the short path skips them.
+config.watch(lambda: _C.short_path_settings(not config.get("check"), config.get("chunk_bytes")))
 
 
 class _Many(NamedTuple):

@@ -6,6 +6,7 @@ command-line flag that sets its variable, so this table is the only list of knob
 """
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -111,15 +112,48 @@ KNOBS = {k.name: k for k in (
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
 )}
 
-# Changed in place, never rebound: the allreduce short path in _C holds these two and
-# reads them as get() does (csrc/short_path.cpp, knob()).
 _overrides: dict = {}
 _from_environment: dict = {}     # parsed once: get() sits on every collective's path
+_watchers: list = []             # called after every change: they cache what they read
+
+
+def watch(callback: Callable[[], None]) -> None:
+    """Call ``callback`` now and after every change of the settings (``configure``,
+    ``reload``, ``overriding``): for whoever keeps settings where ``get`` is too slow to
+    call (the compiled short path)."""
+    _watchers.append(callback)
+    callback()
+
+
+def _changed() -> None:
+    for callback in _watchers:
+        callback()
 
 
 def configure(**kwargs) -> None:
     """Override knobs for this process (what ``pycoll.init(**kwargs)`` calls)."""
-    reload()
+    _from_environment.clear()
+    try:
+        _set(kwargs)
+    finally:
+        _changed()
+
+
+@contextmanager
+def overriding(**kwargs):
+    """Override knobs inside a ``with`` block, then restore them (tests, benchmarks)."""
+    saved = dict(_overrides)
+    try:
+        _set(kwargs)
+        _changed()
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+        _changed()
+
+
+def _set(kwargs: dict) -> None:
     for name, value in kwargs.items():
         if name not in KNOBS:
             raise TypeError(f"unknown pycoll option {name!r}; known: {', '.join(KNOBS)}")
@@ -134,6 +168,7 @@ def configure(**kwargs) -> None:
 def reload() -> None:
     """Read the PYCOLL_* variables again (they are read once, at first use)."""
     _from_environment.clear()
+    _changed()
 
 
 def get(name: str) -> Any:

@@ -58,18 +58,17 @@ class Engine:
 
     def __init__(self, on_stuck: Callable[[str], None]):
         self._on_stuck = on_stuck
-        self._running: Optional[tuple] = None    # (name, start) of what runs now
-        threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
-        self._ready: collections.deque = collections.deque()
-        self._open: Optional[_Batch] = None       # fusable batch still taking items
-        # One token while nothing runs: whoever pops it runs the next operation. A claim by a
-        # caller (the blocking short path) then costs a deque pop, not two lock round trips.
-        # _C's claim keeps this deque and _ready once looked up: neither is ever rebound.
-        self._idle = collections.deque([True])
         # ``with self._lock`` is the C lock itself; the Condition's own __enter__ is a
         # Python call, and this lock is taken on every collective's path.
         self._lock = threading.RLock()
         self._cv = threading.Condition(self._lock)
+        # Whoever holds its token runs the next operation: this engine's thread, or a caller
+        # (a blocking call, or the compiled short path) when nothing is pending. A claim
+        # costs no lock round trip. ``pending`` mirrors _ready and _open (_sync, under _lock).
+        self.gate = _C.Gate(self._notify)
+        threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
+        self._ready: collections.deque = collections.deque()
+        self._open: Optional[_Batch] = None       # fusable batch still taking items
         self._thread_id: Optional[int] = None     # the engine thread's, once started
         self._runner: Optional[int] = None        # the thread running a batch now
         self._stopped = False
@@ -105,45 +104,35 @@ class Engine:
             batch.nbytes += nbytes
             if batch.nbytes >= threshold:
                 self._close_open()
+            self._sync()
         return work
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:
         """Run ``thunk`` after everything issued before it; its result."""
         if threading.get_ident() == self._runner:
             return thunk()      # called back from a running batch: waiting would deadlock
-        if not self.claim(name):
+        if not self.gate.claim(name):       # something issued earlier runs first
             return self.submit(thunk, name).wait()
         try:
             self._runner = threading.get_ident()
             return thunk()
         finally:
             self._runner = None
-            self.release()
+            self.gate.release()
 
-    def claim(self, name: str) -> bool:
-        """Take the engine for one operation that the caller runs now, in its own thread,
-        if nothing is queued, open or running (then nothing issued earlier is left to run
-        first); False otherwise. ``release`` gives it back. In C, beside the blocking
-        allreduce's short path that claims it too (csrc/short_path.cpp): it pops
-        ``_idle``, reads ``_ready`` and ``_open``, sets ``_running`` and calls
-        ``_notify``."""
-        return _C.engine_claim(self, name)
-
-    def release(self) -> None:
-        """End what ``claim`` began."""
-        _C.engine_release(self)
+    def running(self) -> Optional[str]:
+        """The name of the operation running now, if any."""
+        running = self.gate.running()
+        return running[0] if running else None
 
     def _notify(self) -> None:
         """Wake the engine's thread for work queued while a caller held the token."""
         with self._lock:
             self._cv.notify_all()
 
-    def _take(self) -> bool:
-        """Pop the idle token if it is there (atomic: no lock needed)."""
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return False
+    def _sync(self) -> None:
+        """Tell the gate how many batches are pending (after _ready or _open changed)."""
+        self.gate.pending = len(self._ready) + (self._open is not None)
 
     def flush(self, until: Optional[threading.Event] = None) -> None:
         """Send the open batch now (what asking for any of its results does). With
@@ -154,11 +143,12 @@ class Engine:
         while True:
             with self._lock:
                 self._close_open(wake=until is None)
-                if until is None or until.is_set() or not self._ready or not self._take():
+                if until is None or until.is_set() or not self._ready or not self.gate.take():
                     if until is not None and self._ready:
                         self._wake()        # what this thread leaves, the engine's runs
                     return
                 batch = self._ready.popleft()
+                self._sync()
             self._run_batch(batch)
 
     def drain(self, timeout: float) -> bool:
@@ -167,16 +157,11 @@ class Engine:
         deadline = time.monotonic() + timeout
         with self._lock:
             # Polled: a caller's claim gives the token back without notifying.
-            while self._ready or not self._idle:
+            while self._ready or not self.gate.idle:
                 if time.monotonic() > deadline:
                     return False
                 self._cv.wait(0.01)
         return True
-
-    def running(self) -> Optional[str]:
-        """The name of the operation running now, if any."""
-        running = self._running
-        return running[0] if running else None
 
     def stop(self, timeout: float) -> bool:
         """``drain``, then end the engine's thread; False if something still ran at the
@@ -207,6 +192,7 @@ class Engine:
 
     def _enqueue(self, batch: _Batch, wake: bool = True) -> None:
         self._ready.append(batch)
+        self._sync()
         if wake:
             self._wake()
 
@@ -235,7 +221,7 @@ class Engine:
         warned = None
         while True:
             time.sleep(1.0)
-            running = self._running
+            running = self.gate.running()
             if running is None:
                 continue
             name, start = running
@@ -259,29 +245,32 @@ class Engine:
                     if self._stopped:
                         return
                     left = self._close_if_cycle_over()
-                    if self._ready and self._take():
+                    if self._ready and self.gate.take():
                         break
                     self._cv.wait(left)
                 batch = self._ready.popleft()
+                self._sync()
             self._run_batch(batch)
 
     def _run_batch(self, batch: _Batch) -> None:
         """Run ``batch``, which the caller took off the queue with the idle token."""
-        self._running, self._runner = (batch.works[0].name, time.monotonic()), threading.get_ident()
+        self.gate.running_as(batch.works[0].name)
+        self._runner = threading.get_ident()
         try:
             results = batch.run(batch.items)
             if len(results) < len(batch.items):     # the ranks agreed on a prefix
                 rest = batch.split(len(results))
                 with self._lock:
                     self._ready.appendleft(rest)
+                    self._sync()
             for work, result in zip(batch.works, results):
                 work._result = result           # batch.done, set below, signals them all
         except BaseException as error:      # delivered to whoever waits on the Works
             for work in batch.works:
                 work._finish(error=error, signal=False)
         finally:
-            self._running = self._runner = None
+            self._runner = None
             batch.done.set()
             with self._lock:
-                self._idle.append(True)
+                self.gate.release()
                 self._cv.notify_all()

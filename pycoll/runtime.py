@@ -4,7 +4,7 @@ import logging
 import weakref
 from typing import Iterable, Optional
 
-from . import config
+from . import _C, config
 from .engine import Engine
 from .inspector import Checker
 
@@ -94,6 +94,7 @@ def init(comm=None, **options) -> None:
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine(on_stuck=_abort)
+    _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size())
     atexit.register(_finish_queued)
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
@@ -125,6 +126,7 @@ def shutdown() -> None:
     if _state.world is None:
         return
     _state.engine.run(lambda: None, "shutdown")       # drain what is queued
+    _C.short_path_bind(None)
     _state.local_comm.Free()
     _state.p2p_comm.Free()
     _state.world.free()

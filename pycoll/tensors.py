@@ -214,7 +214,12 @@ def _reader(x) -> Callable[[Any], Buffer]:
     return reader
 
 
-_READERS: dict = {}      # class -> reader; the allreduce short path in _C looks here too
+_READERS: dict = {}      # class -> reader
+
+
+def is_torch(x) -> bool:
+    """Whether ``x`` is read with torch's accessors (a TypeError for what pycoll cannot read)."""
+    return (_READERS.get(type(x)) or _reader(x)) is _from_torch
 
 
 def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -13,6 +14,14 @@ def pytest_configure(config):
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
     if rank:
         config.option.verbose = -1
+
+
+@pytest.fixture
+def settings():
+    """``settings(check=True, ...)``: pycoll's knobs overridden until the test ends."""
+    from pycoll import config
+    with contextlib.ExitStack() as stack:
+        yield lambda **knobs: stack.enter_context(config.overriding(**knobs))
 
 
 @pytest.fixture(scope="session")

@@ -107,11 +107,11 @@ def test_allreduce_torch_and_cuda_arrays(group, kind, dtype, fake_device):
 
 
 @pytest.mark.parametrize("op", ["Sum", "Average"])
-def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatch, op):
+def test_gpu_tensors_are_staged_a_chunk_at_a_time(settings, group, fake_device, monkeypatch, op):
     """Host staging for GPU memory is two PYCOLL_CHUNK_BYTES pieces (one travels while
     the next is copied), whatever the tensor size."""
     arg, rank, size = group
-    monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", 400)
+    settings(chunk_bytes=400)
     x = make(rank_input("float32", (1000,), rank, op), "float32", "fake_cuda")
     y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
     assert_matches(y, expected_reduce("float32", (1000,), size, op), "float32")
@@ -125,13 +125,13 @@ def test_gpu_tensors_are_staged_a_chunk_at_a_time(group, fake_device, monkeypatc
 
 @pytest.mark.parametrize("scales", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_staged_average_scales_on_the_gpu_where_the_stager_can(group, fake_device,
+def test_staged_average_scales_on_the_gpu_where_the_stager_can(settings, group, fake_device,
                                                                 monkeypatch, scales, dtype):
     """Average's division of a staged result runs on the GPU after the copy back (every
     byte once), or on the host before it with a stager that cannot scale; same results."""
     arg, rank, size = group
     fake_device.scales = scales
-    monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", 256)
+    settings(chunk_bytes=256)
     xs = [make(rank_input(dtype, (n,), rank, "Average"), dtype, "fake_cuda") for n in (100, 7, 300)]
     for w in [pycoll.allreduce_async_(x, group=arg) for x in xs]:
         w.wait()
@@ -144,12 +144,12 @@ def test_staged_average_scales_on_the_gpu_where_the_stager_can(group, fake_devic
 
 
 @pytest.mark.parametrize("op", ["Sum", "Average"])
-def test_cuda_aware_mpi_gets_gpu_memory_and_averages_on_the_gpu(group, fake_device,
+def test_cuda_aware_mpi_gets_gpu_memory_and_averages_on_the_gpu(settings, group, fake_device,
                                                                 monkeypatch, op):
     """With PYCOLL_CUDA_AWARE_MPI=1 nothing is staged, and Average's division runs as a
     CUDA kernel on the GPU memory (here a host stand-in that records its calls)."""
     arg, rank, size = group
-    monkeypatch.setitem(pycoll.config._overrides, "cuda_aware_mpi", True)
+    settings(cuda_aware_mpi=True)
     x = fakegpu.FakeCudaArray(rank_input("float32", (5, 3), rank, op).astype(np.float32),
                               device=1)               # not device 0: the scale must follow it
     monkeypatch.setattr(fakegpu, "empty", lambda shape, dtype: fakegpu.FakeCudaArray(
@@ -187,13 +187,13 @@ def test_grouped_allreduce_mixed_dtypes(group, kind, fake_device):
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("op", ["Sum", "Average"])
-def test_grouped_allreduce_read_in_one_pass(group, kind, op, monkeypatch):
+def test_grouped_allreduce_read_in_one_pass(settings, group, kind, op, monkeypatch):
     """Without PYCOLL_CHECK, a list of CPU tensors of one kind and dtype is read in one
     pass (tensors.host_pointers). It must split and send exactly as the per-tensor path
     does, since odd ranks here pass a list that the one-pass reader refuses."""
     arg, rank, size = group
-    monkeypatch.setitem(pycoll.config._overrides, "check", False)
-    monkeypatch.setitem(pycoll.config._overrides, "fusion_threshold", 3000)
+    settings(check=False)
+    settings(fusion_threshold=3000)
     counts = [5, 700, 70_000, 1, 300, 0, 90_000, 2]          # two go alone (>= 256 KiB)
     xs = [make(rank_input("float32", (n,), rank, op), "float32", kind) for n in counts]
     if rank % 2:

@@ -10,14 +10,12 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture(autouse=True)
 def no_overrides():
-    """Emptied in place and refilled after: _C's short path holds these very dicts."""
-    saved = dict(config._overrides), dict(config._from_environment)
-    config._overrides.clear()
-    config._from_environment.clear()
-    yield
-    for table, contents in zip((config._overrides, config._from_environment), saved):
-        table.clear()
-        table.update(contents)
+    """Each test starts from the environment and defaults; what it set is undone."""
+    with config.overriding():
+        config._overrides.clear()
+        config.reload()
+        yield
+    config.reload()
 
 
 def test_precedence_keyword_then_environment_then_default(monkeypatch):

@@ -13,10 +13,8 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def knob(monkeypatch, pycoll_world):
-    def set_knob(name, value):
-        monkeypatch.setitem(config._overrides, name, value)
-    return set_knob
+def knob(settings, pycoll_world):
+    return lambda name, value: settings(**{name: value})
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-def short_runs(monkeypatch, pycoll_world):
+def short_runs(settings, monkeypatch, pycoll_world):
     """PYCOLL_CHECK off (the suite's default turns it on, and it disables the short
     path); how many allreduces the short path has run since."""
-    monkeypatch.setitem(config._overrides, "check", False)
+    settings(check=False)
     start = _C.short_path_runs()
     return lambda: _C.short_path_runs() - start
 
@@ -31,7 +31,7 @@ def test_mpi_was_found():
                                    "int32", "int64", "uint8"])
 @pytest.mark.parametrize("op", [pycoll.Sum, pycoll.Average, pycoll.Min, pycoll.Max,
                                 pycoll.Product])
-def test_short_path_equals_the_general_one(group, short_runs, kind, dtype, op, monkeypatch):
+def test_short_path_equals_the_general_one(settings, group, short_runs, kind, dtype, op, monkeypatch):
     arg, rank, size = group
     if op is pycoll.Average and dtype not in ("float16", "bfloat16", "float32", "float64"):
         pytest.skip("Average of integers is refused")
@@ -43,7 +43,7 @@ def test_short_path_equals_the_general_one(group, short_runs, kind, dtype, op, m
     short_in, short_out = make(), pycoll.allreduce(make(), op=op, group=arg)
     assert pycoll.allreduce_(short_in, op=op, group=arg) is short_in
     assert short_runs() == 2
-    monkeypatch.setitem(config._overrides, "check", True)    # the general path
+    settings(check=True)    # the general path
     general = pycoll.allreduce(make(), op=op, group=arg)
     assert short_runs() == 2
     for result in (short_in, short_out):
@@ -64,10 +64,10 @@ def test_short_path_keeps_the_issue_order(group, short_runs):
     assert short_runs() == 1
 
 
-def test_what_the_short_path_leaves_to_the_general_one(group, short_runs, monkeypatch):
+def test_what_the_short_path_leaves_to_the_general_one(settings, group, short_runs, monkeypatch):
     arg, rank, size = group
     big = np.ones(1024, np.float32)
-    monkeypatch.setitem(config._overrides, "chunk_bytes", 1024)        # in pieces
+    settings(chunk_bytes=1024)        # in pieces
     np.testing.assert_array_equal(pycoll.allreduce(big, op=pycoll.Sum, group=arg), size)
     np.testing.assert_array_equal(pycoll.allreduce(bytearray(3), op=pycoll.Sum, group=arg), 0)
     assert short_runs() == 0

@@ -58,12 +58,12 @@ def test_allreduce(group, dtype, op, shape):
 
 @pytest.mark.parametrize("op", ["Sum", "Average"])
 @pytest.mark.parametrize("chunk", [None, 4096], ids=["default-chunk", "4KiB-chunks"])
-def test_large_and_fused_allreduces(group, op, chunk, monkeypatch):
+def test_large_and_fused_allreduces(settings, group, op, chunk, monkeypatch):
     """Tensors above a chunk go through host staging piece by piece; small async ones
     are fused; all in one stream of issue order."""
     arg, rank, size = group
     if chunk:
-        monkeypatch.setitem(pycoll.config._overrides, "chunk_bytes", chunk)
+        settings(chunk_bytes=chunk)
     shapes = [(3,), (5_000_001,), (1, 7), (100_000,), (2,), (70_000, 3)]
     xs = [cuda(rank_input("float32", s, rank, op), "float32") for s in shapes]
     works = [pycoll.allreduce_async_(x, op=getattr(pycoll, op), group=arg) for x in xs]

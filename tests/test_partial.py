@@ -30,9 +30,9 @@ def expected(dtype, shape, ranks, op):
 
 
 @pytest.fixture(params=["p2p", "cached"])
-def path(request, monkeypatch, pycoll_world):
+def path(settings, request, monkeypatch, pycoll_world):
     """p2p: the ring on every call; cached: a communicator per group from its first use."""
-    monkeypatch.setitem(config._overrides, "partial_cache_after", 0 if request.param == "p2p" else 1)
+    settings(partial_cache_after=0 if request.param == "p2p" else 1)
     return request.param
 
 
@@ -72,10 +72,10 @@ def test_large_tensor_in_place_async_and_torch(pycoll_world, path):
 
 
 @pytest.mark.parametrize("cuda_aware", [False, True])
-def test_gpu_memory_is_staged_for_the_ring(pycoll_world, path, monkeypatch, cuda_aware):
+def test_gpu_memory_is_staged_for_the_ring(settings, pycoll_world, path, monkeypatch, cuda_aware):
     """The ring reduces with the CPU kernels, so GPU memory goes through host memory even
     when the MPI is CUDA-aware."""
-    monkeypatch.setitem(config._overrides, "cuda_aware_mpi", cuda_aware)
+    settings(cuda_aware_mpi=cuda_aware)
     copies = fakegpu.CountingStager()
     monkeypatch.setattr(pycoll.tensors, "stager", copies)
     rank, ranks = pycoll.rank(), tuple(range(pycoll.size()))
@@ -112,8 +112,8 @@ def test_bad_input_says_what_to_do(pycoll_world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_mismatched_members_raise_on_every_member(pycoll_world, path, monkeypatch):
-    monkeypatch.setitem(config._overrides, "check", True)
+def test_mismatched_members_raise_on_every_member(settings, pycoll_world, path, monkeypatch):
+    settings(check=True)
     rank = pycoll.rank()
     if rank > 1:
         return                                            # the group is ranks 0 and 1

@@ -242,11 +242,11 @@ def test_overlap_needs_a_spare_core_on_the_cpu(monkeypatch):
     {}, {"groups": 2}, {"backward_passes_per_step": 2}, {"gradient_predivide_factor": 2.0},
     {"bucket": 1}, {"named": True},
 ], ids=lambda o: ",".join(o) or "default")
-def test_distributed_optimizer_matches_one_process(options, overlap, monkeypatch):
+def test_distributed_optimizer_matches_one_process(settings, options, overlap, monkeypatch):
     r, n = hvd.rank(), hvd.size()
     options = dict(options)
     if options.pop("bucket", None):
-        monkeypatch.setitem(pycoll.config._overrides, "fusion_threshold", 1)   # every grad alone
+        settings(fusion_threshold=1)   # every grad alone
     model = _model()
     if r:
         with torch.no_grad():                          # broadcast_parameters must fix this

@@ -40,7 +40,7 @@ _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.
 _half_ops: dict = {}
 
 
-def _reduce_op(op) -> ReduceOp:
+def reduce_op(op) -> ReduceOp:
     if op.__class__ is ReduceOp:
         return op
     try:
@@ -50,7 +50,7 @@ def _reduce_op(op) -> ReduceOp:
                          "or Product") from None
 
 
-def _mpi_op(op: ReduceOp, dtype: str):
+def mpi_op(op: ReduceOp, dtype: str):
     if dtype not in ("float16", "bfloat16"):
         return _MPI_OPS[op]
     kernel_op = "sum" if op is Average else op.value
@@ -63,7 +63,7 @@ def _mpi_op(op: ReduceOp, dtype: str):
     return _half_ops[dtype, kernel_op]
 
 
-def _check_reduction(op: ReduceOp, dtype: str) -> None:
+def check_reduction(op: ReduceOp, dtype: str) -> None:
     if op is Average and dtype not in tensors.FLOATS:
         raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
                         "and divide, or cast to a float dtype")
@@ -89,7 +89,7 @@ def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:
                          f"limit of 2^31-1; split the tensor and call {name} on the pieces")
 
 
-def _msg(ptr: int, nbytes: int, dtype: str = "uint8"):
+def message(ptr: int, nbytes: int, dtype: str = "uint8"):
     """An mpi4py message spec for raw memory."""
     return [MPI.buffer.fromaddress(ptr, nbytes), nbytes // ITEMSIZE[dtype], _MPI_TYPES[dtype]]
 
@@ -99,7 +99,7 @@ def _host(buf: Buffer, read: bool = True, write: bool = False):
     if _direct(buf.device):
         _await_producer(buf)
         return nullcontext(buf.ptr)
-    return _staged(buf, read, write)
+    return staged(buf, read, write)
 
 
 def _await_producer(buf: Buffer) -> None:
@@ -110,7 +110,7 @@ def _await_producer(buf: Buffer) -> None:
 
 
 @contextmanager
-def _staged(buf: Buffer, read: bool, write: bool):
+def staged(buf: Buffer, read: bool, write: bool):
     staging, stage = np.empty(buf.nbytes, np.uint8), tensors.stager(buf.device_id)
     if read and buf.nbytes:
         stage.copy(staging.ctypes.data, buf.ptr, buf.nbytes, buf.ready)
@@ -161,12 +161,12 @@ class _Allreduce(NamedTuple):
 
 
 def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
-    return _planned_item(x, _reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
+    return _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
 
 
 def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _Allreduce:
     src = as_buffer(x, writable=inplace)
-    _check_reduction(op, src.dtype)
+    check_reduction(op, src.dtype)
     if inplace:
         return _Allreduce(src, src, x, op, grp, name)
     out = tensors.empty_like(x, src.shape)
@@ -184,13 +184,13 @@ def _allreduce_one(item: _Allreduce):
         return item.out
     if src.device != "cpu":
         _await_producer(dst)            # dst is handed over last: its event covers src's
-    mpi_op, itemsize = _mpi_op(op, src.dtype), ITEMSIZE[src.dtype]
+    reduction, itemsize = mpi_op(op, src.dtype), ITEMSIZE[src.dtype]
     chunk = config.get("chunk_bytes")
     pieces = (((0, dst.nbytes),) if dst.nbytes <= chunk and dst.nbytes <= _PIECE  # usual case
               else _pieces(dst.nbytes, itemsize, chunk))
     for offset, nbytes in pieces:
-        send = MPI.IN_PLACE if src.ptr == dst.ptr else _msg(src.ptr + offset, nbytes, src.dtype)
-        grp.comm.Allreduce(send, _msg(dst.ptr + offset, nbytes, dst.dtype), mpi_op)
+        send = MPI.IN_PLACE if src.ptr == dst.ptr else message(src.ptr + offset, nbytes, src.dtype)
+        grp.comm.Allreduce(send, message(dst.ptr + offset, nbytes, dst.dtype), reduction)
         if op is Average:
             _scale(dst, dst.ptr + offset, nbytes // itemsize, 1.0 / grp.size())
     return item.out
@@ -206,9 +206,9 @@ def _short_route(op, x) -> tuple:
     MPI_Allreduce: (datatype handle, op handle, itemsize, average, dtype). Raises as the
     general path would for an unknown op or one the dtype cannot take. The short path
     asks once per (op, x.dtype) and keeps the answer."""
-    op, dtype = _reduce_op(op), as_buffer(x).dtype   # "sum" is ReduceOp.SUM's key too
-    _check_reduction(op, dtype)
-    return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(_mpi_op(op, dtype)), ITEMSIZE[dtype],
+    op, dtype = reduce_op(op), as_buffer(x).dtype   # "sum" is ReduceOp.SUM's key too
+    check_reduction(op, dtype)
+    return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(mpi_op(op, dtype)), ITEMSIZE[dtype],
             op is Average, dtype)
 
 
@@ -267,19 +267,19 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
         sizes = [many.sizes[i] for i in which]
     dtype, grp, itemsize = many.dtype, many.grp, ITEMSIZE[many.dtype]
     scale = 1.0 / grp.size() if many.op is Average else 1.0
-    mpi_op, engine = _mpi_op(many.op, dtype), runtime.engine()
+    reduction, engine = mpi_op(many.op, dtype), runtime.engine()
     pieces = _pieces(sum(sizes), itemsize, config.get("chunk_bytes"))
     if many.device != "cpu":
-        _reduce_from_gpu(many, srcs, dsts, sizes, pieces, mpi_op, scale)
+        _reduce_from_gpu(many, srcs, dsts, sizes, pieces, reduction, scale)
         return
     for begin, nbytes in pieces:
         end, piece = begin + nbytes, engine.fusion_buffer(nbytes).ctypes.data
         _C.pack(piece, srcs, sizes, begin, end)
-        grp.comm.Allreduce(MPI.IN_PLACE, _msg(piece, nbytes, dtype), mpi_op)
+        grp.comm.Allreduce(MPI.IN_PLACE, message(piece, nbytes, dtype), reduction)
         _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
 
 
-def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: float) -> None:
+def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, reduction, scale: float) -> None:
     """``_reduce_staged`` for GPU memory, pipelined through two pinned pieces: while MPI
     reduces one, the GPU copies the next one out, and the one before back (pycoll's copy
     stream runs them in order, so a piece's buffer is refilled only once it is copied
@@ -301,7 +301,7 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, mpi_op, scale: floa
     for k, (begin, nbytes) in enumerate(pieces):
         following = fetch(k + 1) if k + 1 < len(pieces) else None
         stage.wait(arrived)
-        many.grp.comm.Allreduce(MPI.IN_PLACE, _msg(at_piece[k], nbytes, dtype), mpi_op)
+        many.grp.comm.Allreduce(MPI.IN_PLACE, message(at_piece[k], nbytes, dtype), reduction)
         if scale != 1.0 and not scale_on_gpu:
             _C.scale(at_piece[k], nbytes // ITEMSIZE[dtype], dtype, scale)
         back = list(_segments(sizes, begin, begin + nbytes))
@@ -372,14 +372,14 @@ def _allreduce_queued(items: List[_Allreduce]) -> list:
 
 
 def _plan_grouped_allreduce(xs, op, group, name, inplace):
-    name, op, grp = name or "grouped_allreduce", _reduce_op(op), runtime.resolve(group)
+    name, op, grp = name or "grouped_allreduce", reduce_op(op), runtime.resolve(group)
     xs = list(xs)
     # Many small CPU tensors are read in one pass, not one as_buffer each: per tensor,
     # that is most of the cost (bench/fusion.py's 1,000 x 4 KiB case).
     host = tensors.host_pointers(xs) if inplace and not config.get("check") else None
     if host is not None:
         ptrs, sizes, dtype = host
-        _check_reduction(op, dtype)
+        check_reduction(op, dtype)
         many = _Many(ptrs, ptrs, sizes, dtype, "cpu", op, grp,
                      lambda i: _planned_item(xs[i], op, grp, f"{name}[{i}]", True))
 
@@ -432,7 +432,7 @@ def _plan_allgather(x, group, name, out=None):
         dst = given or as_buffer(result, writable=True)
         _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
-            grp.comm.Allgatherv(_msg(s, src.nbytes),
+            grp.comm.Allgatherv(message(s, src.nbytes),
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
         return result
@@ -454,7 +454,7 @@ def _displacements(counts: Sequence[int]) -> List[int]:
 
 def _plan_broadcast(x, root, group, name, inplace):
     grp = runtime.resolve(group)
-    _check_root(root, grp)
+    check_root(root, grp)
     src = as_buffer(x, writable=inplace)
     out = x if inplace else (tensors.clone(x) if grp.rank() == root
                              else tensors.empty_like(x, src.shape))
@@ -466,14 +466,15 @@ def _plan_broadcast(x, root, group, name, inplace):
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
         with _host(dst, read=grp.rank() == root, write=True) as d:
             for offset, nbytes in _pieces(dst.nbytes, 1):
-                grp.comm.Bcast(_msg(d + offset, nbytes), root=root)
+                grp.comm.Bcast(message(d + offset, nbytes), root=root)
         return out
     return name, run
 
 
-def _check_root(root, grp: runtime.Group) -> None:
+def check_root(root, grp: runtime.Group, what: str = "root") -> None:
+    """``root`` (a rank of ``grp``; ``what`` names it in the error) is one of its ranks."""
     if not isinstance(root, (int, np.integer)) or not 0 <= root < grp.size():
-        raise ValueError(f"root must be a rank in [0, {grp.size()}), got {root!r}")
+        raise ValueError(f"{what} must be a rank in [0, {grp.size()}), got {root!r}")
 
 
 def _split_rows(rows: int, parts: int) -> List[int]:
@@ -482,9 +483,9 @@ def _split_rows(rows: int, parts: int) -> List[int]:
 
 
 def _plan_reduce_scatter(x, op, group, name, out=None):
-    op, grp = _reduce_op(op), runtime.resolve(group)
+    op, grp = reduce_op(op), runtime.resolve(group)
     src = as_buffer(x)
-    _check_reduction(op, src.dtype)
+    check_reduction(op, src.dtype)
     if not src.shape:
         raise ValueError("reduce_scatter splits dim 0 across ranks; got a 0-d tensor")
     rows = _split_rows(src.shape[0], grp.size())
@@ -506,9 +507,9 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         counts = [r * row_count for r in rows]
         _check_counts(name, counts, "elements")
         with _host(src) as s, _host(dst, read=False, write=True) as d:
-            grp.comm.Reduce_scatter(_msg(s, src.nbytes, src.dtype),
-                                    _msg(d, dst.nbytes, dst.dtype), counts,
-                                    _mpi_op(op, src.dtype))
+            grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
+                                    message(d, dst.nbytes, dst.dtype), counts,
+                                    mpi_op(op, src.dtype))
             if op is Average:
                 _scale(dst, d, dst.count, 1.0 / grp.size())
         return out

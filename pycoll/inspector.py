@@ -20,7 +20,7 @@ from typing import List
 import numpy as np
 
 from . import config
-from .work import CollectiveTimeout
+from .work import CollectiveTimeout, poll
 
 log = logging.getLogger("pycoll")
 
@@ -99,17 +99,18 @@ def _poll(requests, timeout: float, stall) -> List[int]:
     ``stall`` = (seconds, callback(pending indices)) fires once, if given."""
     pending = list(range(len(requests)))
     start = time.monotonic()
-    sleep = 0.0
-    while True:
-        pending = [i for i in pending if not requests[i].Test()]
+
+    def test():
+        nonlocal stall
+        pending[:] = [i for i in pending if not requests[i].Test()]
         if not pending:
-            return []
-        waited = time.monotonic() - start
-        if stall is not None and waited >= stall[0]:
-            stall[1](pending)
-            stall = None
-        if waited >= timeout:
-            return pending
-        if waited > 1e-3:       # a healthy group answers within microseconds: spin till then,
-            sleep = min(max(sleep * 2, 1e-4), 0.01)        # then back off to spare the core
-            time.sleep(sleep)
+            return True
+        if stall is not None and time.monotonic() - start >= stall[0]:
+            stall, fire = None, stall[1]
+            fire(pending)
+        return None
+    try:
+        poll(test, start + timeout, lambda: "")
+    except CollectiveTimeout:
+        return pending
+    return []

@@ -41,9 +41,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, runtime, tensors
-from .collectives import Average, _check_reduction, _mpi_op, _msg, _reduce_op, _staged
+from .collectives import Average, check_reduction, message, mpi_op, reduce_op, staged
 from .inspector import CollectiveMismatch
-from .work import CollectiveTimeout, GroupBroken, Work
+from .work import CollectiveTimeout, GroupBroken, Work, poll
 
 # Large enough that per-message overhead is small, small enough that reduction and
 # transfer of consecutive chunks overlap for the model sizes Ripples averages.
@@ -93,20 +93,6 @@ def group_tag(members: Tuple[int, ...], seq: int, world_size: int, tag_ub: int) 
     return zlib.crc32(repr((members, seq)).encode()) % (tag_ub + 1)
 
 
-def poll(test, deadline: float, what):
-    """Call ``test`` until it returns something other than None, sleeping between tries
-    (ranks may outnumber cores: a spinning waiter would starve the ranks it waits for)."""
-    delay = 0.0
-    while True:
-        result = test()
-        if result is not None:
-            return result
-        if time.monotonic() > deadline:
-            raise CollectiveTimeout(what())
-        time.sleep(delay)
-        delay = min(max(2 * delay, 1e-5), 1e-3)
-
-
 # Sends of failed rounds, with the objects that own their buffers: MPI cannot cancel a
 # send, and may read its buffer until the peer takes it (or the process ends).
 _abandoned: list = []
@@ -136,7 +122,7 @@ class _Ring:
 
     def _send(self, block: int, c: int) -> None:
         lo, hi = self.chunks[block][c]
-        req = self.comm.Isend(_msg(self.ptr + lo * self.item, (hi - lo) * self.item),
+        req = self.comm.Isend(message(self.ptr + lo * self.item, (hi - lo) * self.item),
                               dest=self.right, tag=self.tag)
         self.sending.setdefault((block, c), []).append(req)
 
@@ -170,7 +156,7 @@ class _Ring:
                         poll(lambda: True if req.Test() else None, self.deadline,
                               lambda: self._late(self.right))
                     dst = self.ptr + lo * self.item
-                recvs.append(self.comm.Irecv(_msg(dst, (hi - lo) * self.item),
+                recvs.append(self.comm.Irecv(message(dst, (hi - lo) * self.item),
                                              source=self.left, tag=self.tag))
             for _ in recvs:
                 c = self._wait_any(recvs)
@@ -215,7 +201,7 @@ def _agree(state: _Cache, members, me, tag, deadline, name, what: str) -> None:
     h = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "little") >> 2
     token = np.repeat(np.array([h, -h], np.int64), k)
     _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "int64",
-          _reduce_op("max"), deadline, name, token).run()
+          reduce_op("max"), deadline, name, token).run()
     if token[0] != -token[k]:
         raise CollectiveMismatch(f"pycoll: {name} among ranks {list(members)}: the members "
                                  f"passed different tensors or ops; rank {me} passed {what}. "
@@ -229,7 +215,7 @@ def _cached_comm(state: _Cache, members, me, tag, deadline, name):
         # A ring token first: MPI_Comm_create_group has no timeout, our wait does.
         token = np.zeros(len(members), np.uint8)
         _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "uint8",
-              _reduce_op("max"), deadline, name, token).run()
+              reduce_op("max"), deadline, name, token).run()
         group = state.comm.Get_group().Incl(list(members))
         try:
             comm = state.comm.Create_group(group, tag)
@@ -240,12 +226,12 @@ def _cached_comm(state: _Cache, members, me, tag, deadline, name):
 
 
 def _plan(x, ranks, op, name, inplace):
-    op, name = _reduce_op(op), name or "partial_allreduce"
+    op, name = reduce_op(op), name or "partial_allreduce"
     state = _state()
     me, size = runtime.rank(), runtime.size()
     members = _members(ranks, me, size)
     src = tensors.as_buffer(x, writable=inplace)
-    _check_reduction(op, src.dtype)
+    check_reduction(op, src.dtype)
     out = x if inplace else tensors.clone(x)
     dst = src if inplace else tensors.as_buffer(out, writable=True)
 
@@ -267,11 +253,11 @@ def _plan(x, ranks, op, name, inplace):
                        f"{dst.dtype} x {dst.count} op={op.value}")
             after = config.get("partial_cache_after")
             # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
-            with _staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
+            with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
                 if after and uses >= after:
                     comm = _cached_comm(state, members, me, tag, deadline, name)
-                    comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype),
-                                   _mpi_op(op, dst.dtype))
+                    comm.Allreduce(MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype),
+                                   mpi_op(op, dst.dtype))
                     if op is Average:
                         _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
                 else:

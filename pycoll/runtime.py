@@ -179,7 +179,6 @@ def local_size() -> int:
 
 def new_group(ranks: Iterable[int]) -> Group:
     """A group of the given world ranks. Only its members need to call this."""
-    from mpi4py import MPI
     parent = world().comm
     ranks = [int(r) for r in ranks]
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < parent.size for r in ranks):

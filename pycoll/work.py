@@ -80,3 +80,20 @@ class Work:
     def __repr__(self) -> str:
         state = "failed" if self._error else "done" if self._done.is_set() else "pending"
         return f"<pycoll.Work {self.name} {state}>"
+
+
+def poll(test: Callable[[], Any], deadline: float, late: Callable[[], str]) -> Any:
+    """The one wait with a deadline for what MPI cannot wait on with one: call ``test``
+    until it returns something other than None and return that; past ``deadline``
+    (``time.monotonic()``), raise ``CollectiveTimeout(late())``. Sleeps between tries,
+    growing to 1 ms: ranks may outnumber cores, and a spinning waiter would starve the
+    ranks it waits for."""
+    delay = 0.0
+    while True:
+        result = test()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(late())
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-5), 1e-3)

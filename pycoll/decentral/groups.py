@@ -36,8 +36,7 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import config, runtime
-from ..work import CollectiveTimeout
-from ..partial import poll
+from ..work import CollectiveTimeout, poll
 
 Groups = List[Tuple[int, ...]]
 

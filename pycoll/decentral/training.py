@@ -27,8 +27,8 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives, config, runtime
-from ..partial import partial_allreduce_, poll
-from ..work import CollectiveTimeout
+from ..partial import partial_allreduce_
+from ..work import CollectiveTimeout, poll
 
 
 class AllReduce:

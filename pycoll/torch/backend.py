@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import pycoll
 from pycoll import runtime
+from pycoll.collectives import check_root
 from pycoll.tensors import as_buffer
 
 from . import api
@@ -202,7 +203,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")
         op, root = reduce_op(opts.reduceOp), opts.rootRank
-        self._check_root(root)
+        check_root(root, self.group)
         work = pycoll.allreduce_async(tensor, op=op, group=self.group, name="torch.reduce")
 
         def finish(results):
@@ -246,7 +247,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     # ------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        self._check_root(root)
+        check_root(root, self.group)
         works = [pycoll.broadcast_async_(t, root=root, group=self.group, name="torch.broadcast")
                  for t in tensors]
         return self._complete(works, lambda _: list(tensors), "torch.broadcast")
@@ -288,7 +289,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts=None):
         root = opts.rootRank
-        self._check_root(root)
+        check_root(root, self.group)
         tensor = _one_tensor(inputs, "gather")
         outputs = output_lists[0] if self.group.rank() == root else []
         if outputs:
@@ -302,7 +303,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank
-        self._check_root(root)
+        check_root(root, self.group)
         output = _one_tensor(outputs, "scatter")
         if self.group.rank() == root:
             inputs = _one_tensor(input_lists, "scatter")
@@ -398,10 +399,6 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._p2p_comm
 
     # ------------------------------------------------------------ checks
-    def _check_root(self, root: int) -> None:
-        if not 0 <= root < self._ranks:
-            raise ValueError(f"root rank {root} is not a rank of this group of {self._ranks}")
-
     def _check_count(self, tensors, what: str) -> None:
         if len(tensors) != self._ranks:
             raise ValueError(f"{what} needs one tensor per rank ({self._ranks}), got {len(tensors)}")

@@ -367,10 +367,7 @@ class _CudaStager:
 
     def wait(self, mark=None) -> None:
         """Until the copies before ``mark`` (default: all started so far) are done."""
-        if mark is None:
-            _C.cuda_synchronize(self.stream)
-        else:
-            mark.synchronize()
+        (mark or self.mark()).synchronize()      # an event knows its device
 
 
 class _CupyStager:

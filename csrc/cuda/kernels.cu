@@ -1,6 +1,7 @@
 // CUDA kernels: the per-element code of ops.h in grid-stride loops, plus one-launch
 // pack/unpack driven by a segment table passed as a kernel parameter.
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <mutex>
@@ -264,18 +265,42 @@ int device_count() {
 
 namespace {
 
+// Whether `device` has an active primary context, asked of the driver that the runtime has
+// loaded (no link to libcuda); true when that cannot be told.
+bool has_context(int device) {
+    using DeviceGet = int (*)(int*, int);
+    using PrimaryCtxGetState = int (*)(int, unsigned int*, int*);
+    static void* driver = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    static auto get = driver ? reinterpret_cast<DeviceGet>(dlsym(driver, "cuDeviceGet")) : nullptr;
+    static auto state = driver ? reinterpret_cast<PrimaryCtxGetState>(dlsym(driver, "cuDevicePrimaryCtxGetState"))
+                               : nullptr;
+    int handle = 0, active = 0;
+    unsigned int flags = 0;
+    if (!get || !state || get(&handle, device) != 0 || state(handle, &flags, &active) != 0) return true;
+    return active != 0;
+}
+
 // Runs a block with `device` current, then restores the caller's device: these calls
-// come from the user's threads, whose current device torch and cupy track themselves.
+// come from the user's threads, whose current device torch and cupy track themselves. A
+// thread that never chose one (pycoll's own) reports device 0 with no context there:
+// restoring it would make one (cudaSetDevice does since CUDA 12), a stray context on GPU 0
+// for a rank bound to another GPU, so it is left on `device`.
 class DeviceGuard {
   public:
     explicit DeviceGuard(int device) {
         check(cudaGetDevice(&previous_), "cudaGetDevice");
-        if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice");
+        if (device != previous_) {
+            restore_ = has_context(previous_);
+            check(cudaSetDevice(device), "cudaSetDevice");
+        }
     }
-    ~DeviceGuard() { cudaSetDevice(previous_); }
+    ~DeviceGuard() {
+        if (restore_) cudaSetDevice(previous_);
+    }
 
   private:
     int previous_ = 0;
+    bool restore_ = false;
 };
 
 }  // namespace
@@ -307,9 +332,13 @@ Event::Event(uintptr_t stream, int device_) : device(device_), event_(nullptr) {
 
 Event::~Event() { cudaEventDestroy(static_cast<cudaEvent_t>(event_)); }
 
-void Event::synchronize() const { check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize"); }
+void Event::synchronize() const {
+    DeviceGuard on(device);  // no runtime call in a thread without a device makes one on GPU 0
+    check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
+}
 
 bool Event::query() const {
+    DeviceGuard on(device);
     const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event_));
     if (err == cudaErrorNotReady) {
         cudaGetLastError();

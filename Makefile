@@ -3,6 +3,7 @@
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
 #            configuration at 2 and 4, and over TCP at 3).
 # make bench: the collectives and fusion benchmarks at 2 and 4 ranks (bench/results/).
+# make reproduce: the papers' headline experiments under emulation, one report.
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -14,7 +15,7 @@ SOURCES := setup.py pyproject.toml CMakeLists.txt requirements-dev.txt $(wildcar
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench reproduce clean
 
 install: $(VENV)/.installed
 
@@ -54,6 +55,11 @@ bench: install
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results
 	$(PY) bench/ripples_training.py --out bench/results/ripples-training
+
+# make reproduce: each paper's headline experiment and one report (QUICK=1: a few minutes);
+#                an interrupted run resumes (bench/results/reproduce/).
+reproduce: install
+	$(PY) bench/reproduce.py $(if $(QUICK),--quick) $(if $(LINK),--link $(LINK))
 
 clean:
 	rm -rf $(VENV) build *.egg-info pycoll/_C*.so

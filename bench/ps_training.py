@@ -11,28 +11,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from jobs import ROOT, run_job
 POLICIES = ("bsp", "asp", "ssp:3", "fluentps:3")
 
 
-def run(policy, args, path):
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(args.servers + args.workers),
-           "--servers", str(args.servers), "--slowdown", args.slow, "python",
-           str(ROOT / "examples" / "ps_digits.py"), "--policy", policy, "--json", path,
-           "--epochs", str(args.epochs), "--hidden", str(args.hidden),
-           "--batch-size", str(args.batch_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1",
-                                  OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
-    if out.returncode:
-        raise SystemExit(f"{policy} failed:\n{out.stdout}\n{out.stderr}")
-    with open(path) as f:
-        return json.load(f)
+def run(policy, args, seed: int = 0) -> dict:
+    """One training of the digits MLP under ``policy``; ps_digits.py's JSON."""
+    return run_job(args.servers + args.workers, "ps_digits.py",
+                   ["--policy", policy, "--epochs", args.epochs, "--hidden", args.hidden,
+                    "--batch-size", args.batch_size, "--seed", seed],
+                   flags=["--servers", str(args.servers), "--slowdown", args.slow])
 
 
 def time_to(curve, target):
@@ -56,10 +45,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     policies = args.policies.split(",")
     results = {p: [] for p in policies}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):           # interleaved: machine noise hits all alike
-            for policy in policies:
-                results[policy].append(run(policy, args, os.path.join(tmp, f"{policy}-{i}.json")))
+    for i in range(args.repeat):           # interleaved: machine noise hits all alike
+        for policy in policies:
+            results[policy].append(run(policy, args))
     rows = []
     for policy, runs in results.items():
         servers = [s for r in runs for s in r["servers"]]

@@ -10,29 +10,22 @@ scheme over AllReduce in the same scenario; plots accuracy against wall-clock ti
 """
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from jobs import EXAMPLES, ROOT, run_job
+
+sys.path.insert(0, str(EXAMPLES))
 from ripples_digits import time_to  # noqa: E402
 
 SCENARIOS = {"equal workers": [], "rank 3 slowed 4x": ["--slowdown", "3:4"]}
 
 
-def run(ranks: int, flags, args, out: Path) -> dict:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(ranks), *flags, "python",
-           str(ROOT / "examples" / "ripples_digits.py"), "--scheme", "all",
-           "--seconds", str(args.seconds), "--step-time", str(args.step_time),
-           "--group-size", str(args.group_size), "--json", str(out)]
-    done = subprocess.run(cmd, env=env, cwd=ROOT / "examples", capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+def run(ranks: int, flags, args, seed: int = 0) -> dict:
+    """Every scheme once on ``ranks`` workers (pycollrun ``flags``); ripples_digits.py's JSON."""
+    return run_job(ranks, "ripples_digits.py",
+                   ["--scheme", "all", "--seconds", args.seconds, "--step-time", args.step_time,
+                    "--group-size", args.group_size, "--seed", seed], flags=flags)
 
 
 def main():
@@ -47,9 +40,7 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run(args.ranks, flags, args, Path(tmp) / f"{i}.json")
-                   for i, (name, flags) in enumerate(SCENARIOS.items())}
+    results = {name: run(args.ranks, flags, args) for name, flags in SCENARIOS.items()}
     rows = []
     print(f"{args.ranks} workers, digits MLP, {args.step_time * 1000:g} ms emulated compute per "
           f"step, {args.seconds:g} s per scheme, group size {args.group_size}")

@@ -1,0 +1,339 @@
+"""Each paper's headline experiment on pycoll, one command, one report (``make reproduce``).
+
+    python bench/reproduce.py [--quick | --tiny] [--only fluentps,ripples] [--repeat N]
+                              [--link LATENCY,BANDWIDTH] [--out DIR] [--fresh]
+
+Every experiment trains scikit-learn's digits MLP (shipped with scikit-learn, no
+download) on "a cluster" emulated on this machine: slow ranks by ``--slowdown`` and, with
+``--link`` (or PYCOLL_LINK), a network by pycoll's link emulation. Each run (experiment,
+point, repetition; seeds are the repetition numbers) is one JSON file under ``--out``:
+an interrupted run picks up where it stopped (``--fresh`` starts over). The report,
+``--out/README.md`` with PNG plots, gives per point the median and spread over the
+repetitions, and per paper its headline number beside the measured one with a verdict.
+
+``--quick`` (``make reproduce QUICK=1``) is a few minutes; ``--tiny`` is the test suite's
+smoke run. Experiments are added as their schemes land (R2SP, SaPS and iPart to come).
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List
+
+from jobs import ROOT, run_job
+
+TARGET = 0.90          # test accuracy that "time to accuracy" is measured at
+
+
+@dataclass
+class Size:
+    """How long each run is: --tiny, --quick or the full report."""
+    repeat: int
+    ps_epochs: int
+    ps_workers: List[int]
+    ripples_seconds: float
+    ripples_ranks: int
+
+
+SIZES = {"tiny": Size(1, 1, [2], 1.5, 4), "quick": Size(1, 4, [2, 4], 5.0, 6),
+         "full": Size(3, 10, [2, 4, 6], 10.0, 8)}
+
+
+def time_to(curve, target: float = TARGET):
+    """Seconds until ``curve`` ([(t, accuracy)]) first reaches ``target``; None if never."""
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+@dataclass
+class Experiment:
+    name: str
+    paper: str
+    claim: str                                  # the paper's headline, in its words' numbers
+    points: Callable[[Size], Dict[str, Callable[[int], dict]]]   # point -> run(seed)
+    summary: Callable[[Dict[str, List[dict]]], tuple] = field(repr=False)   # -> (table, measured, verdict)
+    plot: Callable[[Dict[str, List[dict]], Path], None] = field(repr=False)
+
+
+# ---------------------------------------------------------------- FluentPS
+
+PS_SERVERS, PS_SLOW = 2, 3.0          # worker 1 slowed: SSP's bound then binds
+
+
+def _ps_point(policy: str, workers: int, size: Size) -> Callable[[int], dict]:
+    def run(seed: int) -> dict:
+        out = run_job(workers + PS_SERVERS, "ps_digits.py",
+                      ["--policy", policy, "--epochs", size.ps_epochs, "--seed", seed],
+                      flags=["--servers", str(PS_SERVERS), "--slowdown", f"1:{PS_SLOW:g}"])
+        return {"curve": out["curve"], "final": out["final"], "seconds": out["seconds"],
+                "delayed_pulls": sum(s["delayed_pulls"] for s in out["servers"]),
+                "megabytes": sum(s["bytes_in"] + s["bytes_out"] for s in out["servers"]) / 1e6}
+    return run
+
+
+def _fluentps_points(size: Size):
+    return {f"{policy} {w} workers": _ps_point(policy, w, size)
+            for w in size.ps_workers for policy in ("ssp:3", "fluentps:3")}
+
+
+def _fluentps_summary(runs):
+    rows, ratios = [], []
+    for point, reps in runs.items():
+        rows.append([point, _spread([time_to(r["curve"]) for r in reps]),
+                     _spread([r["final"] * 100 for r in reps], "{:.1f}"),
+                     _spread([r["delayed_pulls"] for r in reps], "{:.0f}"),
+                     _spread([r["megabytes"] for r in reps], "{:.1f}")])
+    for point in runs:
+        if point.startswith("ssp:3"):
+            fluent = runs.get(point.replace("ssp:3", "fluentps:3"))
+            ssp_delayed = _median([r["delayed_pulls"] for r in runs[point]])
+            if fluent:
+                ratios.append((point.split(" ", 1)[1], ssp_delayed,
+                               _median([r["delayed_pulls"] for r in fluent])))
+    measured = "; ".join(f"{w}: SSP {s:.0f} vs FluentPS {f:.0f} delayed pulls"
+                         + (f" ({s / f:.1f}x)" if f else "") for w, s, f in ratios)
+    fewer = all(f < s for _, s, f in ratios) if ratios else False
+    verdict = ("direction reproduced: FluentPS delays fewer pulls than SSP at every worker "
+               "count (the paper's 131x comes from far more workers and servers)" if fewer
+               else "not reproduced: FluentPS did not delay fewer pulls than SSP here")
+    table = (["point", f"time to {TARGET:.0%} (s)", "final accuracy (%)", "delayed pulls",
+              "MB moved"], rows)
+    return table, measured, verdict
+
+
+# ---------------------------------------------------------------- Ripples
+
+RIPPLES_SCENARIOS = {"equal workers": [], "rank 3 slowed 4x": ["--slowdown", "3:4"]}
+
+
+def _ripples_point(flags, size: Size) -> Callable[[int], dict]:
+    def run(seed: int) -> dict:
+        out = run_job(size.ripples_ranks, "ripples_digits.py",
+                      ["--scheme", "all", "--seconds", size.ripples_seconds, "--seed", seed],
+                      flags=flags)
+        return {"schemes": {r["scheme"]: {"curve": r["curve"], "final": r["final_accuracy"]}
+                            for r in out["results"]}}
+    return run
+
+
+def _ripples_points(size: Size):
+    return {name: _ripples_point(flags, size) for name, flags in RIPPLES_SCENARIOS.items()}
+
+
+def _ripples_summary(runs):
+    rows, measured, sooner = [], [], {}
+    for scenario, reps in runs.items():
+        base = _median([time_to(r["schemes"]["allreduce"]["curve"]) for r in reps])
+        for scheme in reps[0]["schemes"]:
+            times = [time_to(r["schemes"][scheme]["curve"]) for r in reps]
+            ratio = [b / t for b, t in zip([time_to(r["schemes"]["allreduce"]["curve"])
+                                             for r in reps], times) if b and t]
+            rows.append([scenario, scheme, _spread(times),
+                         _spread(ratio, "{:.2f}x") if ratio else "-",
+                         _spread([r["schemes"][scheme]["final"] * 100 for r in reps], "{:.1f}")])
+        best = min(((time_to(reps[0]["schemes"][s]["curve"]) or float("inf"), s)
+                    for s in reps[0]["schemes"] if s.startswith("ripples")), default=None)
+        t = _median([time_to(r["schemes"][best[1]]["curve"]) for r in reps]) if best else None
+        sooner[scenario] = t is not None and (base is None or t < base)
+        measured.append(f"{scenario}: {best[1] if best else 'Ripples'} "
+                        + (f"{t:.2f} s" if t else "not reached")
+                        + f" vs AllReduce {f'{base:.2f} s' if base else 'not reached'}"
+                        + (f" ({base / t:.2f}x)" if base and t else ""))
+    hetero = sooner.get("rank 3 slowed 4x")
+    verdict = ("direction reproduced: with a straggler Ripples reaches the target sooner than "
+               "AllReduce" if hetero else
+               "not reproduced: with a straggler Ripples was not faster than AllReduce here")
+    table = (["scenario", "scheme", f"time to {TARGET:.0%} (s)", "speed-up vs AllReduce",
+              "final accuracy (%)"], rows)
+    return table, "; ".join(measured), verdict
+
+
+# ---------------------------------------------------------------- plots
+
+def _plot_curves(runs, path: Path, curves) -> None:
+    """One panel per point group: accuracy against time of the first repetition."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = curves(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items()):
+        for label, curve in lines.items():
+            if curve:
+                t, acc = zip(*curve)
+                ax.plot(t, [100 * a for a in acc], label=label)
+        ax.axhline(100 * TARGET, color="grey", lw=0.8, ls=":")
+        ax.set(title=title, xlabel="wall-clock time (s)", ylabel="test accuracy (%)", ylim=(0, 100))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _fluentps_curves(runs):
+    panels: dict = {}
+    for point, reps in runs.items():
+        policy, workers = point.split(" ", 1)
+        panels.setdefault(workers, {})[policy] = reps[0]["curve"]
+    return panels
+
+
+def _ripples_curves(runs):
+    return {scenario: {scheme: r["curve"] for scheme, r in reps[0]["schemes"].items()}
+            for scenario, reps in runs.items()}
+
+
+EXPERIMENTS = {e.name: e for e in (
+    Experiment("fluentps", "FluentPS (Yao, Wu, Wang; IEEE Cluster 2019)",
+               "up to 6x faster than PS-Lite and 93.7% less communication; raw SSP delays up "
+               "to 131x more pull requests",
+               _fluentps_points, _fluentps_summary,
+               lambda runs, path: _plot_curves(runs, path, _fluentps_curves)),
+    Experiment("ripples", "Ripples / Prague (Luo et al.; 2019, ASPLOS 2020)",
+               "equal workers 1.1x faster than All-Reduce and 4.3x than AD-PSGD; with a "
+               "straggler 2x faster than All-Reduce",
+               _ripples_points, _ripples_summary,
+               lambda runs, path: _plot_curves(runs, path, _ripples_curves)),
+)}
+
+
+# ---------------------------------------------------------------- statistics
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _spread(values, fmt: str = "{:.2f}") -> str:
+    """``median (min-max)`` of the values reached; ``not reached`` counts the others."""
+    reached = [v for v in values if v is not None]
+    if not reached:
+        return "not reached"
+    text = fmt.format(statistics.median(reached))
+    if len(reached) > 1:
+        text += f" ({fmt.format(min(reached))}-{fmt.format(max(reached))})"
+    if len(reached) < len(values):
+        text += f", {len(values) - len(reached)} not reached"
+    return text
+
+
+# ---------------------------------------------------------------- driver
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-")
+
+
+def run_all(experiments, size: Size, out: Path, progress) -> Dict[str, Dict[str, List[dict]]]:
+    """Every (experiment, point, repetition) not already on disk; all of them, read back."""
+    plan = [(e, point, fn, rep) for e in experiments for point, fn in e.points(size).items()
+            for rep in range(size.repeat)]
+    results: Dict[str, Dict[str, List[dict]]] = {}
+    with progress(total=len(plan), unit="run") as bar:
+        for e, point, fn, rep in plan:
+            path = out / e.name / f"{_slug(point)}-{rep}.json"
+            bar.set_description(f"{e.name}: {point} #{rep}")
+            if not path.exists():           # resumable: what is done stays done
+                path.parent.mkdir(parents=True, exist_ok=True)
+                started = time.monotonic()
+                result = fn(rep)
+                result["_run"] = {"seed": rep, "seconds": time.monotonic() - started}
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(result))
+                tmp.replace(path)
+            results.setdefault(e.name, {}).setdefault(point, []).append(json.loads(path.read_text()))
+            bar.update(1)
+    return results
+
+
+def _markdown_table(header, rows) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def report(experiments, results, size_name: str, size: Size, link: str, out: Path) -> Path:
+    lines = ["# pycoll reproduces its papers", "",
+             f"`bench/reproduce.py --{size_name}`" if size_name != "full" else "`make reproduce`",
+             "", f"Machine: {_machine()}. Emulation: compute slowdowns as each experiment says; "
+             f"network: {'--link ' + link if link else 'none (shared memory)'}. "
+             f"{size.repeat} repetition(s) per point (seeds 0-{size.repeat - 1}); cells are "
+             "median (min-max).", "",
+             "| paper | headline | measured here | verdict |", "|---|---|---|---|"]
+    sections = []
+    for e in experiments:
+        table, measured, verdict = e.summary(results[e.name])
+        lines.append(f"| {e.paper} | {e.claim} | {measured} | {verdict} |")
+        plot = out / f"{e.name}.png"
+        e.plot(results[e.name], plot)
+        sections += ["", f"## {e.paper}", "", _markdown_table(*table), "", f"![{e.name}]({plot.name})"]
+    path = out / "README.md"
+    path.write_text("\n".join(lines + sections) + "\n")
+    return path
+
+
+def _machine() -> str:
+    return f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def _progress():
+    try:
+        from tqdm import tqdm
+        return lambda **kw: tqdm(**kw, file=sys.stderr)
+    except ImportError:                     # a bar is a nicety: count in the log instead
+        class Count:
+            def __init__(self, total, unit):
+                self.total, self.done = total, 0
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def set_description(self, text):
+                print(f"[{self.done + 1}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+            def update(self, n):
+                self.done += n
+        return Count
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="a few minutes")
+    which.add_argument("--tiny", action="store_true", help="the test suite's smoke run")
+    parser.add_argument("--only", help=f"comma-separated, from {','.join(EXPERIMENTS)}")
+    parser.add_argument("--repeat", type=int, help="repetitions per point")
+    parser.add_argument("--link", default="", help="pycollrun --link for every job (PYCOLL_LINK)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reproduce"))
+    parser.add_argument("--fresh", action="store_true", help="forget the runs already done")
+    args = parser.parse_args(argv)
+    size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = SIZES[size_name]
+    if args.repeat:
+        size.repeat = args.repeat
+    names = args.only.split(",") if args.only else list(EXPERIMENTS)
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        parser.error(f"unknown experiments {unknown}; known: {', '.join(EXPERIMENTS)}")
+    experiments = [EXPERIMENTS[n] for n in names]
+    out = Path(args.out) / size_name
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.link:
+        os.environ["PYCOLL_LINK"] = args.link      # pycollrun exports PYCOLL_* to every rank
+    results = run_all(experiments, size, out, _progress())
+    path = report(experiments, results, size_name, size, args.link, out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -232,6 +232,29 @@ def malformed(comm, server, client, n):
     ask("order", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, 1, 0, 0.0, 1, 0, 0) + w)
 
 
+def silent_payload(n=1000):
+    """Worker 0 sends (by hand) a push header whose payload never comes: the server gives
+    up at PYCOLL_TIMEOUT, answers naming the worker, and serves on."""
+    ps.init(policy="asp")
+    rank, client, comm = pycoll.rank(), ps._client(), ps._state.comm
+    w = np.zeros(n, np.float32)
+    ps.init_params({"w": w})
+    if rank == 0:
+        slot = wire.slots(client.tag_ub) - 1
+        client._next_id += 1
+        header = wire.encode(wire.PUSH, slot, client._next_id,
+                             wire.encode_table([wire.Entry("w", "float32", n, 0, n)]), 1,
+                             npieces=1, nbytes=4 * n)
+        comm.Send([np.frombuffer(header, np.uint8), MPI.BYTE], comm.size - 1, wire.REQUEST)
+        meta = np.zeros(wire.META_LEN, np.int64)
+        comm.Recv([meta, MPI.INT64_T], comm.size - 1, wire.tags(slot)[0])
+        text = bytearray(int(meta[wire.NBYTES]))
+        comm.Recv([text, MPI.BYTE], comm.size - 1, wire.tags(slot)[2])
+        print(f"worker 0: {text.decode()}", flush=True)
+    ps.push_pull("w", np.ones(n, np.float32), w).wait()
+    print(f"worker {rank}: served on", flush=True)
+
+
 def tag_wrap(tag_ub, rounds=40):
     """Many requests in flight through a tag space of a few slots: the tags wrap around
     (slots are reused), never pass ``tag_ub``, and every answer lands where it belongs."""
@@ -292,4 +315,5 @@ if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     {"bsp": bsp_equals_sgd, "staleness": staleness, "dying_server": dying_server,
      "checkpoint": checkpoint, "faults": faults, "tag_wrap": tag_wrap,
+     "silent_payload": silent_payload,
      "resume": resume}[mode](*args)

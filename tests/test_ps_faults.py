@@ -155,6 +155,13 @@ def test_bsp_takes_the_mean_over_the_workers_still_active(faults):
     assert "worker 0: after worker 1 left: 7" in faults, faults
 
 
+def test_a_payload_that_never_comes_is_given_up_at_the_timeout():
+    out = job(3, 1, "silent_payload", timeout_s=2).stdout
+    assert re.search(r"worker 0: pycoll.ps server 0: worker 0 \(world rank 0\) sent 0 of the 1 "
+                     r"payload messages of its push request \d+ within 2 s; it may have died", out), out
+    assert out.count("served on") == 2, out
+
+
 def test_tags_wrap_around_a_small_tag_space():
     tag_ub = wire.TAG_BASE + 3 * wire.TAGS_PER_SLOT - 1          # 3 requests in flight
     out = job(3, 1, "tag_wrap", str(tag_ub)).stdout

@@ -15,17 +15,24 @@ Design
   worker code never sees servers. On workers it calls ``pycoll.init`` on the workers'
   communicator, so ``pycoll.rank()``, ``size()`` and collectives count workers only.
 - Keys and shards (``layout``): parameters are named; each worker derives the same
-  layout from the declared names, shapes and dtypes. Keys of 1 MiB or more are split
-  into one range per server, smaller ones go whole to the least loaded server.
+  layout from the declared names, shapes and dtypes, which ``init_params`` compares
+  across workers first. Keys of 1 MiB or more are split into one range per server,
+  smaller ones go whole to the least loaded server.
 - Requests (``worker``, ``wire``): push, pull and push_pull return ``Work`` at once; one
   thread per worker drives the nonblocking MPI traffic, so requests to different servers
-  overlap, and data goes straight between tensors and the wire where it can. The server
-  answers a pull with one raw message per request.
+  overlap, and data goes straight between tensors and the wire where it can. A request
+  is a binary header (protocol version, op, tag slot, request id, and per key range its
+  dtype, element count and range; never pickled) that the server checks against its
+  shards before touching them; every request is answered, a push by an acknowledgement,
+  a pull by one raw message of parameters, a bad request by an error text that fails
+  its ``Work`` (the server consumes its payload and serves on). Reply tags come from a
+  few reused slots below ``MPI.TAG_UB``.
 - Updates (``server``): a push carries gradients (server-side ``SGD`` with momentum and
   weight decay) or, without an optimizer, steps the worker's own optimizer computed,
-  which the server adds. Each push counts 1/N (N workers): BSP applies the mean of one
-  clock's N pushes as one update, so BSP equals synchronous data-parallel SGD; other
-  policies apply each push on arrival.
+  which the server adds. BSP applies, per key, the mean of one clock's pushes as one
+  update: over all N workers, so BSP equals synchronous data-parallel SGD, and once
+  some workers are done, over those still active. Other policies apply each push on
+  arrival, scaled by 1/N.
 - Consistency (``policy``): every server decides alone from its own workers' clocks (a
   worker's clock at a server = its pushes there). BSP: a pull at clock c waits for all
   workers at c. ASP: never waits. SSP(s): waits for all at c - s; like a PS without
@@ -36,13 +43,20 @@ Design
   (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
   pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
-- Checkpoints: with ``checkpoint_dir``, servers save parameters, momentum and clocks on
-  ``checkpoint()``, every ``checkpoint_every`` seconds and at the end; a job started with
-  the same directory and layout resumes: ``init_params`` pulls the saved values and
-  ``clock()`` tells where each worker left off.
+- Checkpoints (``checkpoints``): with ``checkpoint_dir``, servers save numbered
+  generations (raw arrays and a JSON manifest with checksums, written durably; the last
+  two kept) on ``checkpoint()`` (collective over workers), when worker 0 asks every
+  ``checkpoint_every`` seconds, and at the end. Every server saves the same generation:
+  worker 0 sends the requests, and under BSP a generation is the state after exactly
+  one round. A job started with the same directory resumes from the newest generation
+  intact on every server (warning about newer ones it skips; refusing, naming the file,
+  if there is none): ``init_params`` pulls the saved values and ``clock()`` tells where
+  each worker left off.
 - Failure: a pull that waits longer than PYCOLL_TIMEOUT for a worker is answered with an
-  error naming that worker; a request a server does not answer fails naming the server.
-  Under ``pycollrun`` a dead rank ends the whole job (MPI's abort names its rank).
+  error naming that worker; so is a payload that never comes; a request a server does
+  not answer fails naming the server; the exchanges of ``init_params``, ``checkpoint``
+  and ``shutdown`` name a worker that never joins. Under ``pycollrun`` a dead rank ends
+  the whole job (MPI's abort names its rank).
 """
 import atexit
 import json

@@ -109,8 +109,11 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     """
     from mpi4py import MPI
     from .. import runtime
+    from ..inspector import _poll
+    from ..work import CollectiveTimeout
     from .server import Server
     from .worker import Client
+    from .wire import _LEFT
     if _state.client is not None:
         raise RuntimeError("pycoll.ps is already initialized; call pycoll.ps.shutdown() first")
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -124,6 +127,14 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         wire.Slots(int(tag_ub))              # raises if it leaves no slot, on every rank
     workers = comm.size - servers
     timeout = float(config.get("timeout"))
+    # Dup and Split block until every rank comes: a bounded barrier first (a collective,
+    # so it never meets the user's messages on ``comm``).
+    arrived = comm.Ibarrier()
+    if _poll([arrived], timeout, None):
+        _LEFT.append(arrived)
+        raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
+                                f"init within {timeout:g} s; a rank may have died, hung or "
+                                "skipped it (PYCOLL_TIMEOUT sets the limit)")
     own = comm.Dup()
     is_worker = own.rank < workers
     mine = own.Split(0 if is_worker else 1, own.rank)     # the workers', or the servers'

@@ -60,7 +60,6 @@ Design
 """
 import atexit
 import json
-import logging
 import sys
 import time
 from typing import Optional
@@ -74,7 +73,6 @@ from .policy import ASP, BSP, FluentPS, Policy, SSP, make as make_policy
 __all__ = ["init", "shutdown", "init_params", "push", "pull", "push_pull",
            "checkpoint", "counters", "clock", "Policy", "BSP", "ASP", "SSP", "FluentPS",
            "SGD", "TorchWorker"]
-log = logging.getLogger("pycoll.ps")
 
 
 class _State:

@@ -14,7 +14,6 @@ stream stays in step, and the server goes on; so it does after an internal error
 """
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -162,7 +161,7 @@ class Server:
         self.stats["bad_requests"] += 1
         try:
             self._discard(call)
-        except _ClientError as err:
+        except Exception as err:         # what is left may never come: say so, serve on
             text += f"; {err}"
         if not text.startswith("pycoll.ps"):
             text = f"pycoll.ps server {self.index}: {text}"
@@ -199,14 +198,14 @@ class Server:
         """The keys' declarations and worker 0's values; keys already held (declared by
         an earlier init or loaded from a checkpoint) must match and keep their values."""
         entries = call.req.entries
-        sizes = [e.nbytes for e in entries]
-        self._check_payload(call, sizes, [np.dtype(e.dtype).itemsize for e in entries])
         for e in entries:
             if e.dtype not in FLOATS:
                 raise _ClientError(f"key {e.name!r} is {e.dtype}; servers keep float "
                                    f"parameters ({', '.join(FLOATS)}); cast it first")
         if len({e.name for e in entries}) != len(entries):
             raise _ClientError("init declares a key twice")
+        sizes = [e.nbytes for e in entries]
+        self._check_payload(call, sizes, [np.dtype(e.dtype).itemsize for e in entries])
         if self.resumed is not None:
             self._check_resumed(entries)
         for e in entries:
@@ -219,8 +218,8 @@ class Server:
                     f"[{e.lo}:{e.hi}] of {e.count}; declare the same parameters on every "
                     "worker and run")
         payload = np.empty(sum(sizes), np.uint8)                 # rare: whole, then set
-        for message, (first, end) in zip(self._match(call, self._expected(sizes, entries)),
-                                         wire.bounds(self._messages(sizes, entries))):
+        edges = wire.bounds(self._messages(sizes, entries))
+        for message, (first, end) in zip(self._match(call, [b - a for a, b in edges]), edges):
             self._take(call, message, payload[first:end])
         offset = 0
         for e, nbytes in zip(entries, sizes):
@@ -247,9 +246,8 @@ class Server:
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
         if round_sums is not None:
-            for name, shard in zip(keys, shards):
-                entry = round_sums.setdefault(name, [None, 0])
-                entry[1] += 1
+            for name in keys:
+                round_sums.setdefault(name, [None, 0])[1] += 1
         for segments, message in zip(messages, matched):
             piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
             offset = 0
@@ -348,9 +346,6 @@ class Server:
         itemsizes = [np.dtype(i.dtype).itemsize for i in items]
         return wire.pieces(sizes, itemsizes)
 
-    def _expected(self, sizes, items) -> List[int]:
-        return [end - first for first, end in wire.bounds(self._messages(sizes, items))]
-
     def _check_payload(self, call: _Call, sizes, itemsizes) -> None:
         req = call.req
         expect = len(wire.pieces(sizes, itemsizes)) if sizes else 0
@@ -368,7 +363,9 @@ class Server:
             message = self.comm.improbe(call.worker, tag, status)
             if message is not None:
                 call.pending.append((message, status.Get_count(MPI.BYTE)))
-            elif time.monotonic() > deadline:
+                continue
+            _late(deadline, self.timeout)
+            if time.monotonic() > deadline:
                 call.taken = call.req.npieces - len(call.pending)   # stop looking for more
                 raise _ClientError(
                     f"worker {call.worker} (world rank {call.worker}) sent {len(call.pending)} "
@@ -408,7 +405,9 @@ class Server:
                 message = self.comm.improbe(call.worker, tag, status)
                 if message is not None:
                     call.pending = [(message, status.Get_count(MPI.BYTE))]
-                elif time.monotonic() > deadline:
+                    continue
+                _late(deadline, self.timeout)
+                if time.monotonic() > deadline:
                     left, call.taken = call.req.npieces - call.taken, call.req.npieces
                     raise _ClientError(f"{left} of its payload messages did not come within "
                                        f"{self.timeout:g} s")
@@ -592,6 +591,13 @@ class Server:
         self.stats["resumed"] = chosen
         log.info("pycoll.ps server %d resumed from %s at clocks %s", self.index, state.manifest,
                  self.sync.clocks)
+
+
+def _late(deadline: float, timeout: float) -> None:
+    """While a payload is late: spin for the first millisecond (it follows its header at
+    once), then nap, so a dead sender does not cost a core until the deadline."""
+    if time.monotonic() > deadline - timeout + 1e-3:
+        time.sleep(1e-4)
 
 
 def _range(spec) -> str:

@@ -147,7 +147,7 @@ def faults(only="all", n=1000):
             print(f"worker {rank}: duplicates: {err}", flush=True)
         if only == "duplicates":
             return
-    if rank == 1 and want("wrong_size"):       # a worker whose idea of 'w' is one element short of the server's
+    if rank == 1 and want("wrong_size"):   # its idea of 'w' is one element short of the server's
         good = client.keys["w"]
         client.keys["w"] = good._replace(shape=(n - 1,),
                                          ranges=(good.ranges[0]._replace(hi=n - 1),))

@@ -158,7 +158,8 @@ def test_bsp_takes_the_mean_over_the_workers_still_active(faults):
 def test_a_payload_that_never_comes_is_given_up_at_the_timeout():
     out = job(3, 1, "silent_payload", timeout_s=2).stdout
     assert re.search(r"worker 0: pycoll.ps server 0: worker 0 \(world rank 0\) sent 0 of the 1 "
-                     r"payload messages of its push request \d+ within 2 s; it may have died", out), out
+                     r"payload messages of its push request \d+ within 2 s; it may have died",
+                     out), out
     assert out.count("served on") == 2, out
 
 
@@ -222,4 +223,5 @@ def test_killed_server_resumes_from_its_checkpoint_as_if_never_killed(tmp_path):
     assert len(start) == 2 and start[0] == start[1] and 0 < start[0] <= 6, out.stdout
     assert out.stdout.count("resumed done at clock 8") == 2, out.stdout
     assert f"{newest} is missing (the write did not finish)" in out.stderr, out.stderr
-    np.testing.assert_array_equal(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "whole.npy"))
+    np.testing.assert_array_equal(np.load(tmp_path / "resumed.npy"),
+                                  np.load(tmp_path / "whole.npy"))

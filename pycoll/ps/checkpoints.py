@@ -101,7 +101,8 @@ def save(directory: str, server: int, generation: int, job: dict, keys, params, 
     manifest = dict(format=FORMAT, version=VERSION, generation=generation, server=server,
                     **job, layout=fingerprint(keys), keys=table, clocks=list(map(int, clocks)),
                     applied_round=int(applied_round),
-                    files={os.path.basename(bin_path): dict(bytes=offset, sha256=digest.hexdigest())})
+                    files={os.path.basename(bin_path):
+                           dict(bytes=offset, sha256=digest.hexdigest())})
     _durable(json_path, [json.dumps(manifest, indent=1).encode()])
     _sync_dir(directory)
     return json_path

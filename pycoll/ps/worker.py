@@ -231,6 +231,7 @@ class Client:
                 self._failed = error
                 pending = active + list(self._new)
                 self._new.clear()
+            self._orphans = pending       # kept: MPI may still read or write their buffers
             for op in pending:
                 if not op.work._done.is_set():
                     op.work._finish(error=error)
@@ -250,7 +251,7 @@ class Client:
                 unsent.extend(op.parts)
             active += fresh
             moved = bool(fresh)
-            while unsent and self.slots.available():     # in order: a server sees requests as issued
+            while unsent and self.slots.available():   # in order: servers see them as issued
                 self._send(unsent.popleft())
             for op in list(active):
                 try:

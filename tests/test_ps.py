@@ -159,14 +159,6 @@ def test_pulls_are_never_staler_than_the_bound(policy, bound):
     assert reported == found, out                                     # the counters agree
 
 
-def test_checkpoint_resumes(tmp_path):
-    first = job(3, 1, "checkpoint", str(tmp_path), "first").stdout
-    assert first.count("saved at clock 5") == 2
-    assert (tmp_path / "server-0.pkl").exists()
-    second = job(3, 1, "checkpoint", str(tmp_path), "second").stdout
-    assert second.count("resumed at clock 5") == 2
-
-
 def test_hung_server_fails_the_job_naming_it():
     start = time.monotonic()
     out = job(3, 1, "dying_server", "stop", timeout_s=3, expect_ok=False)

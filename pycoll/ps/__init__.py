@@ -15,17 +15,24 @@ Design
   worker code never sees servers. On workers it calls ``pycoll.init`` on the workers'
   communicator, so ``pycoll.rank()``, ``size()`` and collectives count workers only.
 - Keys and shards (``layout``): parameters are named; each worker derives the same
-  layout from the declared names, shapes and dtypes. Keys of 1 MiB or more are split
-  into one range per server, smaller ones go whole to the least loaded server.
+  layout from the declared names, shapes and dtypes, which ``init_params`` compares
+  across workers first. Keys of 1 MiB or more are split into one range per server,
+  smaller ones go whole to the least loaded server.
 - Requests (``worker``, ``wire``): push, pull and push_pull return ``Work`` at once; one
   thread per worker drives the nonblocking MPI traffic, so requests to different servers
-  overlap, and data goes straight between tensors and the wire where it can. The server
-  answers a pull with one raw message per request.
+  overlap, and data goes straight between tensors and the wire where it can. A request
+  is a binary header (protocol version, op, tag slot, request id, and per key range its
+  dtype, element count and range; never pickled) that the server checks against its
+  shards before touching them; every request is answered, a push by an acknowledgement,
+  a pull by one raw message of parameters, a bad request by an error text that fails
+  its ``Work`` (the server consumes its payload and serves on). Reply tags come from a
+  few reused slots below ``MPI.TAG_UB``.
 - Updates (``server``): a push carries gradients (server-side ``SGD`` with momentum and
   weight decay) or, without an optimizer, steps the worker's own optimizer computed,
-  which the server adds. Each push counts 1/N (N workers): BSP applies the mean of one
-  clock's N pushes as one update, so BSP equals synchronous data-parallel SGD; other
-  policies apply each push on arrival.
+  which the server adds. BSP applies, per key, the mean of one clock's pushes as one
+  update: over all N workers, so BSP equals synchronous data-parallel SGD, and once
+  some workers are done, over those still active. Other policies apply each push on
+  arrival, scaled by 1/N.
 - Consistency (``policy``): every server decides alone from its own workers' clocks (a
   worker's clock at a server = its pushes there). BSP: a pull at clock c waits for all
   workers at c. ASP: never waits. SSP(s): waits for all at c - s; like a PS without
@@ -36,22 +43,30 @@ Design
   (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
   pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
-- Checkpoints: with ``checkpoint_dir``, servers save parameters, momentum and clocks on
-  ``checkpoint()``, every ``checkpoint_every`` seconds and at the end; a job started with
-  the same directory and layout resumes: ``init_params`` pulls the saved values and
-  ``clock()`` tells where each worker left off.
+- Checkpoints (``checkpoints``): with ``checkpoint_dir``, servers save numbered
+  generations (raw arrays and a JSON manifest with checksums, written durably; the last
+  two kept) on ``checkpoint()`` (collective over workers), when worker 0 asks every
+  ``checkpoint_every`` seconds, and at the end. Every server saves the same generation:
+  worker 0 sends the requests, and under BSP a generation is the state after exactly
+  one round. A job started with the same directory resumes from the newest generation
+  intact on every server (warning about newer ones it skips; refusing, naming the file,
+  if there is none): ``init_params`` pulls the saved values and ``clock()`` tells where
+  each worker left off.
 - Failure: a pull that waits longer than PYCOLL_TIMEOUT for a worker is answered with an
-  error naming that worker; a request a server does not answer fails naming the server.
-  Under ``pycollrun`` a dead rank ends the whole job (MPI's abort names its rank).
+  error naming that worker; so is a payload that never comes; a request a server does
+  not answer fails naming the server; the exchanges of ``init_params``, ``checkpoint``
+  and ``shutdown`` name a worker that never joins. Under ``pycollrun`` a dead rank ends
+  the whole job (MPI's abort names its rank).
 """
 import atexit
 import json
 import sys
+import time
 from typing import Optional
 
 from .. import config
 from . import wire
-from .layout import plan
+from .layout import mismatch, plan
 from .optim import SGD
 from .policy import ASP, BSP, FluentPS, Policy, SSP, make as make_policy
 
@@ -65,7 +80,9 @@ class _State:
     comm = None              # all ranks (our duplicate)
     workers_comm = None      # workers only (our duplicate)
     stats_path: Optional[str] = None
-    checkpoint_dir: Optional[str] = None
+    checkpoint_every = 0.0   # worker 0 asks for a checkpoint this often (seconds)
+    last_checkpoint = 0.0
+    background: list = []    # worker 0's periodic checkpoint requests still running
 
 
 _state = _State()
@@ -73,7 +90,8 @@ _state = _State()
 
 def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] = None,
          checkpoint_dir: Optional[str] = None, checkpoint_every: float = 0.0,
-         stats: Optional[str] = None, comm=None, exit_servers: bool = True):
+         stats: Optional[str] = None, comm=None, exit_servers: bool = True,
+         tag_ub: Optional[int] = None):
     """Start the parameter server on ``comm`` (default COMM_WORLD); every rank calls it.
 
     On server ranks this serves until every worker is done, then exits the process;
@@ -82,11 +100,18 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     ``shutdown()`` and ``init()`` again). Returns None on workers.
     ``policy``: "bsp", "asp", "ssp:S", "fluentps:S" or a Policy. ``optimizer``: an
     ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
+    ``checkpoint_dir``: where servers save generations and resume from; with
+    ``checkpoint_every`` > 0 worker 0 asks for one every that many seconds (at a push).
+    ``tag_ub``: the largest MPI tag workers use (default the communicator's
+    ``MPI.TAG_UB``; tests shrink it to see the tags wrap around).
     """
     from mpi4py import MPI
     from .. import runtime
+    from ..inspector import _poll
+    from ..work import CollectiveTimeout
     from .server import Server
     from .worker import Client
+    from .wire import _LEFT
     if _state.client is not None:
         raise RuntimeError("pycoll.ps is already initialized; call pycoll.ps.shutdown() first")
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -96,23 +121,36 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         raise ValueError(f"pycoll.ps needs 1 <= servers < ranks, got servers={servers} with "
                          f"{comm.size} ranks; run e.g. pycollrun -np {max(2, servers + 1)} "
                          f"--servers {max(1, servers)} ...")
+    if tag_ub is not None:
+        wire.Slots(int(tag_ub))              # raises if it leaves no slot, on every rank
     workers = comm.size - servers
     timeout = float(config.get("timeout"))
+    # Dup and Split block until every rank comes: a bounded barrier first (a collective,
+    # so it never meets the user's messages on ``comm``).
+    arrived = comm.Ibarrier()
+    if _poll([arrived], timeout, None):
+        _LEFT.append(arrived)
+        raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
+                                f"init within {timeout:g} s; a rank may have died, hung or "
+                                "skipped it (PYCOLL_TIMEOUT sets the limit)")
     own = comm.Dup()
     is_worker = own.rank < workers
-    workers_comm = own.Split(0 if is_worker else MPI.UNDEFINED, own.rank)
+    mine = own.Split(0 if is_worker else 1, own.rank)     # the workers', or the servers'
     if not is_worker:
-        server = Server(own, own.rank - workers, workers, policy, optimizer, checkpoint_dir,
-                        checkpoint_every, timeout)
+        server = Server(own, mine, own.rank - workers, workers, policy, optimizer,
+                        checkpoint_dir, timeout)
         stats = server.serve()
+        mine.Free()
         own.Free()
         if exit_servers:
             sys.exit(0)      # under pycollrun (python -m mpi4py) a clean exit of this rank
         return stats
-    _state.comm, _state.workers_comm = own, workers_comm
-    _state.stats_path, _state.checkpoint_dir = stats, checkpoint_dir
-    _state.client = Client(own, range(workers, comm.size), own.rank, timeout)
-    runtime.init(comm=workers_comm)
+    _state.comm, _state.workers_comm = own, mine
+    _state.stats_path = stats
+    _state.checkpoint_every = float(checkpoint_every) if checkpoint_dir else 0.0
+    _state.last_checkpoint, _state.background = time.monotonic(), []
+    _state.client = Client(own, range(workers, comm.size), own.rank, timeout, tag_ub)
+    runtime.init(comm=mine)
     atexit.register(shutdown)
 
 
@@ -121,6 +159,24 @@ def _client():
         raise RuntimeError("pycoll.ps is not initialized on this rank; call pycoll.ps.init() "
                            "on every rank first")
     return _state.client
+
+
+def _exchange(data: bytes, what: str) -> list:
+    """Every worker's ``data`` (bounded by PYCOLL_TIMEOUT, naming a worker that is missing)."""
+    return wire.exchange(_state.workers_comm, data, what, "worker", _client().timeout)
+
+
+def _on_every_worker(what: str, action) -> None:
+    """Run ``action`` on worker 0; if it fails, raise its error on every worker."""
+    error = b""
+    if _state.workers_comm.rank == 0:
+        try:
+            action()
+        except Exception as err:
+            error = str(err).encode()
+    failures = [e.decode() for e in _exchange(error, what) if e]
+    if failures:
+        raise RuntimeError(f"pycoll.ps: {what} failed on worker 0: {failures[0]}")
 
 
 def _names(keys):
@@ -134,29 +190,50 @@ def _values(keys, values):
 def init_params(params) -> None:
     """Declare the parameters (``{name: tensor}`` or ``[(name, tensor)]``, the same on
     every worker) and set them: worker 0's values seed the servers unless they resumed
-    from a checkpoint; then every worker's tensors receive the servers' values in place."""
+    from a checkpoint; then every worker's tensors receive the servers' values in place.
+    Workers compare their declarations first: any difference (a name, shape, dtype or
+    the order) raises ``ValueError`` on every worker, naming the key and both sides."""
     client = _client()
     items = list(params.items() if hasattr(params, "items") else params)
     from ..tensors import as_buffer
-    specs = [(name, as_buffer(t).shape, as_buffer(t).dtype) for name, t in items]
+    specs = [(str(name), tuple(as_buffer(t).shape), as_buffer(t).dtype) for name, t in items]
+    declared = json.dumps([[n, list(shape), dtype] for n, shape, dtype in specs]).encode()
+    problem = mismatch([json.loads(d) for d in _exchange(declared, "init_params")])
+    if problem:
+        raise ValueError(f"pycoll.ps.init_params: {problem}")
     client.keys = plan(specs, len(client.server_ranks))
     names, tensors = [n for n, _ in items], [t for _, t in items]
     keys = client.lookup(names)
-    if _state.workers_comm.rank == 0:
-        bufs = client.buffers(keys, tensors, writable=False)
-        parts = client.push_parts(keys, bufs, op=wire.INIT, reply=True)
-        client.submit("init_params", parts, keep=tensors).wait()
-    _state.workers_comm.Barrier()                  # servers hold every key from here on
+
+    def seed():
+        parts, _ = client.parts(wire.INIT, keys, sources=client.buffers(keys, tensors, False))
+        client.submit("pycoll.ps init_params", parts, keep=tensors).wait()
+    _on_every_worker("init_params", seed)          # servers hold every key from here on
     pull(names, tensors).wait()
+    client.pushed = list(client.clocks)
+
+
+def _tick(client) -> None:
+    """Worker 0's periodic checkpoint requests: raise the error of one that failed, and
+    ask for the next when it is time."""
+    for work in [w for w in _state.background if w.is_completed()]:
+        _state.background.remove(work)
+        work.wait()
+    if _state.checkpoint_every and _state.workers_comm.rank == 0 and \
+            time.monotonic() - _state.last_checkpoint >= _state.checkpoint_every:
+        _state.last_checkpoint = time.monotonic()
+        _state.background.append(_request_checkpoint(client))
 
 
 def push(keys, values):
-    """Send gradients (or steps) for ``keys``; Work completes when the tensors may be
-    reused. ``keys`` is a name or a list of names, ``values`` a tensor or a list."""
+    """Send gradients (or steps) for ``keys``; Work completes when every server holding
+    them has acknowledged the push (or fails with a server's error). ``keys`` is a name
+    or a list of names, ``values`` a tensor or a list."""
     client = _client()
+    _tick(client)
     names, values = _names(keys), _values(keys, values)
     found = client.lookup(names)
-    parts = client.push_parts(found, client.buffers(found, values, writable=False))
+    parts, _ = client.parts(wire.PUSH, found, sources=client.buffers(found, values, False))
     client.counters["pushes"] += 1
     return client.submit(f"pycoll.ps push of {_short(names)}", parts, keep=values)
 
@@ -169,51 +246,55 @@ def _outs(keys, outs, found):
     return _values(keys, outs)
 
 
-def pull(keys, outs=None):
-    """Fetch ``keys``' parameters into ``outs`` (new numpy arrays if None); Work's result
-    is the tensor (one name) or the list of tensors."""
+def _pulling(op, keys, names, values=None, outs=None):
     client = _client()
-    names = _names(keys)
     found = client.lookup(names)
+    sources = None if values is None else client.buffers(found, values, writable=False)
     outs = _outs(keys, outs, found)
-    parts, unpack = client.pull_parts(found, client.buffers(found, outs, writable=True))
+    parts, unpack = client.parts(op, found, sources, client.buffers(found, outs, writable=True))
     client.counters["pulls"] += 1
+    client.counters["pushes"] += values is not None
 
     def finish():
         unpack()
         return outs[0] if isinstance(keys, str) else outs
-    return client.submit(f"pycoll.ps pull of {_short(names)}", parts, finish, keep=outs)
-
-
-def push_pull(keys, values, outs=None):
-    """``push`` then ``pull`` in one request per server: each server sees the push first."""
-    client = _client()
-    names, values = _names(keys), _values(keys, values)
-    found = client.lookup(names)
-    pushes = client.push_parts(found, client.buffers(found, values, writable=False))
-    outs = _outs(keys, outs, found)
-    pulls, unpack = client.pull_parts(found, client.buffers(found, outs, writable=True))
-    client.counters["pushes"] += 1
-    client.counters["pulls"] += 1
-
-    def finish():
-        unpack()
-        return outs[0] if isinstance(keys, str) else outs
-    return client.submit(f"pycoll.ps push_pull of {_short(names)}", pushes + pulls, finish,
+    return client.submit(f"pycoll.ps {wire.OP_NAMES[op]} of {_short(names)}", parts, finish,
                          keep=(values, outs))
 
 
+def pull(keys, outs=None):
+    """Fetch ``keys``' parameters into ``outs`` (new numpy arrays if None); Work's result
+    is the tensor (one name) or the list of tensors."""
+    return _pulling(wire.PULL, keys, _names(keys), outs=outs)
+
+
+def push_pull(keys, values, outs=None):
+    """``push`` then ``pull`` of the same keys, one request per server: each server
+    applies the push first, and its answer (the parameters) acknowledges it."""
+    _tick(_client())
+    return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs)
+
+
+def _request_checkpoint(client):
+    """Worker 0 asks every server for the next generation; under BSP the cut is its own
+    push count at each server (see Server._on_checkpoint)."""
+    parts = client.control(wire.CHECKPOINT, arg=lambda s: client.pushed[s])
+    return client.submit("pycoll.ps checkpoint", parts)
+
+
 def checkpoint() -> None:
-    """Make every server save its parameters, optimizer state and clocks now."""
+    """Every worker calls it (with no request of its own in flight): once all have,
+    worker 0 asks every server to save the same generation, and all return when it is
+    written, so the generation is one consistent state under any policy."""
     client = _client()
-    parts = [_control(s, wire.CHECKPOINT) for s in range(len(client.server_ranks))]
-    client.submit("pycoll.ps checkpoint", parts).wait()
+    _exchange(b"", "checkpoint")
+    _on_every_worker("checkpoint", lambda: _request_checkpoint(client).wait())
 
 
 def counters() -> dict:
     """``{"worker": this worker's counters, "servers": [each server's]}``."""
     client = _client()
-    parts = [_control(s, wire.STATS) for s in range(len(client.server_ranks))]
+    parts = client.control(wire.STATS)
     client.submit("pycoll.ps counters", parts).wait()
     return dict(worker=dict(client.counters, clock=clock()),
                 servers=[json.loads(bytes(p.data).decode()) for p in parts])
@@ -225,34 +306,49 @@ def clock() -> int:
     return min(_client().clocks)
 
 
-def _control(server: int, op: str):
-    from .worker import _Part
-    return _Part(server, op, [], reply=op != wire.DONE)
-
-
 def shutdown() -> None:
     """Tell the servers this worker is done (after writing ``stats`` on worker 0); every
     worker calls it, or it runs at exit. Servers exit when every worker is done."""
     client = _state.client
     if client is None:
         return
-    if _state.stats_path:
-        mine = counters()
-        everyone = _state.workers_comm.gather(mine["worker"], root=0)
-        if _state.workers_comm.rank == 0:
-            with open(_state.stats_path, "w") as f:
-                json.dump(dict(workers=everyone, servers=mine["servers"]), f, indent=1)
-    parts = [_control(s, wire.DONE) for s in range(len(client.server_ranks))]
-    client.submit("pycoll.ps shutdown", parts).wait()
-    client.close()
-    _state.client = None
-    atexit.unregister(shutdown)
+    try:
+        if client._failed is not None:
+            _farewell(client)
+        else:
+            for work in _state.background:
+                work.wait()
+            if _state.stats_path:
+                mine = counters()
+                everyone = [json.loads(b) for b in _exchange(
+                    json.dumps(mine["worker"]).encode(), "shutdown (stats)")]
+                if _state.workers_comm.rank == 0:
+                    with open(_state.stats_path, "w") as f:
+                        json.dump(dict(workers=everyone, servers=mine["servers"]), f, indent=1)
+            client.submit("pycoll.ps shutdown", client.control(wire.DONE)).wait()
+    finally:
+        client.close()
+        _state.client = None
+        _state.background = []
+        atexit.unregister(shutdown)
+
+
+def _farewell(client) -> None:
+    """DONE to every server from this thread, when the worker's own thread has failed:
+    the servers must not wait for a worker that is gone (their answers go unread)."""
+    from mpi4py import MPI
+    sends = []
+    for rank in client.server_ranks:
+        client._next_id += 1
+        header = wire.encode(wire.DONE, 0, client._next_id)
+        sends.append((client.comm.Isend([header, MPI.BYTE], rank, wire.REQUEST), header))
+    from ..inspector import _poll
+    _poll([r for r, _ in sends], client.timeout, None)
 
 
 def _short(names) -> str:
     shown = ", ".join(repr(n) for n in names[:3])
     return f"[{shown}{', ...' if len(names) > 3 else ''}] ({len(names)} keys)"
-
 
 
 def __getattr__(name):

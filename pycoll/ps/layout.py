@@ -6,7 +6,7 @@ near-equal element range per server (a big layer spans every server); smaller ke
 whole to the server holding the fewest bytes so far. Each server holds at most one
 range of a key, so messages name keys, never ranges.
 """
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -73,3 +73,32 @@ def by_server(keys: Sequence[Key]) -> Dict[int, List[Tuple[Key, Range]]]:
         for r in key.ranges:
             out.setdefault(r.server, []).append((key, r))
     return out
+
+
+def _declared(spec) -> str:
+    return "nothing" if spec is None else f"{spec[1]} {list(spec[0])}"
+
+
+def mismatch(declarations: Sequence[Sequence]) -> Optional[str]:
+    """What differs between the workers' declarations (``[[name, shape, dtype], ...]``
+    per worker, as each passed them to init_params), or None if nothing does."""
+    for worker, declared in enumerate(declarations):
+        names = [name for name, _, _ in declared]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            return (f"worker {worker} declares key(s) {twice} more than once; key names must "
+                    "be unique")
+    first = {name: (tuple(shape), dtype) for name, shape, dtype in declarations[0]}
+    order = [name for name, _, _ in declarations[0]]
+    for worker, declared in enumerate(declarations[1:], 1):
+        mine = {name: (tuple(shape), dtype) for name, shape, dtype in declared}
+        for name in order + [n for n in mine if n not in first]:
+            if first.get(name) != mine.get(name):
+                return (f"workers declare key {name!r} differently: worker 0 declares "
+                        f"{_declared(first.get(name))}, worker {worker} "
+                        f"{_declared(mine.get(name))}; every worker must declare the same "
+                        "names, shapes and dtypes")
+        if [name for name, _, _ in declared] != order:
+            return (f"worker {worker} declares the keys in another order than worker 0 "
+                    "(the layout follows the order); declare them in the same order")
+    return None

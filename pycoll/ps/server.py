@@ -5,33 +5,52 @@ blocking receive busy-polls, so the loop probes (``Improbe``) and, while nothing
 sleeps a fraction of the quiet spell (``wire.nap``: 50 us while requests flow, up to
 1 ms when idle). Replies are sent without waiting for the worker to take them, so one
 slow receiver never holds up the answers to the others.
+
+Every request is checked before it touches anything: the header (``wire.parse``), its
+keys against the shards (dtype, element count, range), its payload's message count and
+sizes (all of its messages are matched before any is applied). A bad request is
+answered with an error naming what is wrong, its payload is consumed so the worker's
+stream stays in step, and the server goes on; so it does after an internal error.
 """
 import json
 import logging
-import os
-import pickle
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from . import checkpoints as ckpt
 from . import wire
 from .optim import FLOATS, SGD, Shard
 from .policy import Policy, SyncState
 
 log = logging.getLogger("pycoll.ps")
 SLEEP_MIN, SLEEP_MAX = 50e-6, 1e-3
-HOUSEKEEPING_S = 0.5       # how often timeouts and periodic checkpoints are looked at
+HOUSEKEEPING_S = 0.5       # how often timeouts are looked at
+
+
+class _ClientError(Exception):
+    """A bad request: reported to the worker that sent it; the server goes on."""
+
+
+@dataclass
+class _Call:
+    """One request being served: who asked, what, and how much of its payload is taken."""
+    worker: int
+    req: wire.Request
+    taken: int = 0               # payload messages received or discarded
+    answered: bool = False
+    since: float = 0.0
+    pending: list = field(default_factory=list)   # matched, not received: (message, bytes)
 
 
 @dataclass
 class _Pull:
-    worker: int
-    request: int
-    keys: list
+    call: _Call
+    shards: list
     need: int
     since: float
     waited: float             # seconds the worker already spent on refused attempts
@@ -45,25 +64,35 @@ class _Sending:
 
 
 class Server:
-    def __init__(self, comm, index: int, workers: int, policy: Policy, sgd: Optional[SGD],
-                 checkpoint_dir: Optional[str], checkpoint_every: float, timeout: float):
+    def __init__(self, comm, servers_comm, index: int, workers: int, policy: Policy,
+                 sgd: Optional[SGD], checkpoint_dir: Optional[str], timeout: float):
         self.comm, self.index, self.workers = comm, index, workers
         self.policy, self.sgd, self.timeout = policy, sgd, timeout
-        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.tag_ub = comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self.checkpoint_dir = checkpoint_dir
+        self.job = dict(servers=servers_comm.size, workers=workers, policy=policy.name)
         self.sync = SyncState([0] * workers, active=[True] * workers, rng=random.Random(index))
         self.shards: Dict[str, Shard] = {}
-        self.rounds: Dict[int, Dict[str, np.ndarray]] = {}     # BSP: clock -> key -> sum
+        self.tables: Dict[bytes, List[Shard]] = {}   # key tables already checked
+        self.rounds: Dict[int, Dict[str, list]] = {}  # BSP: clock -> key -> [sum, pushes]
         self.applied_round = 0
         self.pending: List[_Pull] = []
+        self.waiting_checkpoints: list = []          # BSP: (generation, cut, call)
+        self.last_request = [0] * workers
         self.stats = dict(server=index, policy=policy.name, pushes=0, pulls=0,
                           delayed_pulls=0, delay_s=0.0, bytes_in=0, bytes_out=0,
-                          updates=0, checkpoints=0, resumed=False)
+                          updates=0, checkpoints=0, resumed=False, bad_requests=0)
         self.scratch = np.empty(wire.PIECE, np.uint8)      # one payload piece
         self.sending: List[_Sending] = []                    # replies still in flight
-        self.quiet_since = time.monotonic()          # the last request or reply taken
-        self.last_checkpoint = self.last_housekeeping = time.monotonic()
+        self.abandoned: list = []                            # receives that never completed
+        self.quiet_since = self.last_housekeeping = time.monotonic()
+        self.generation = 0          # the newest generation number in use in checkpoint_dir
+        self.kept: Optional[int] = None              # the last good generation of ours
+        self.resumed: Optional[ckpt.State] = None    # checked against the first init
+        self.refusal: Optional[str] = None           # why this server cannot serve
+        self.changed = False                         # since the last generation saved
         if checkpoint_dir:
-            self._load()
+            self._resume(servers_comm)
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> dict:
@@ -78,99 +107,179 @@ class Server:
                 self._retire()
                 wire.nap(now - self.quiet_since, SLEEP_MIN, SLEEP_MAX)
                 continue
-            op, request, keys, extra = message.recv()
-            worker = status.Get_source()
-            try:
-                getattr(self, "_on_" + op)(worker, request, keys, extra)
-            except _ClientError as err:
-                self._reply(worker, request, wire.ERROR, str(err).encode())
+            raw = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+            message.Recv([raw, MPI.BYTE])
+            self._handle(status.Get_source(), raw)
             self.quiet_since = time.monotonic()
-        if self.checkpoint_dir:
-            self.checkpoint()
+        if self.checkpoint_dir and self.refusal is None:
+            for generation, _, call in self.waiting_checkpoints:     # their cut never came
+                self._save_for(call, generation)
+            self.waiting_checkpoints.clear()
+            if self.changed:                     # the last generation is not the end state
+                self.generation += 1
+                try:
+                    self._save(self.generation)
+                except _ClientError as err:
+                    log.error("pycoll.ps server %d: %s", self.index, err)
         self._drain()
         return self.stats_dict()
+
+    def _handle(self, worker: int, raw: np.ndarray) -> None:
+        try:
+            req = wire.parse(raw, self.tag_ub)
+            if worker >= self.workers:
+                raise wire.BadRequest(f"rank {worker} is a server, not a worker")
+        except wire.BadRequest as err:
+            self.stats["bad_requests"] += 1
+            text = f"pycoll.ps server {self.index}: bad request from rank {worker}: {err}"
+            log.warning("%s", text)
+            if err.slot is None:
+                self._send_text(worker, wire.BAD, text)
+            else:
+                self._reply_to(worker, err.slot, err.request, wire.ERROR, text.encode())
+            return
+        call = _Call(worker, req, since=time.monotonic())
+        name = wire.OP_NAMES[req.op]
+        try:
+            if req.request <= self.last_request[worker]:
+                raise _ClientError(f"request {req.request} ({name}) came after request "
+                                   f"{self.last_request[worker]}: out of order")
+            self.last_request[worker] = req.request
+            if self.refusal is not None and req.op not in (wire.STATS, wire.DONE):
+                raise _ClientError(self.refusal)
+            getattr(self, "_on_" + name)(call)
+        except _ClientError as err:
+            self._fail(call, str(err))
+        except Exception as err:                   # a bug here must not end the server
+            log.exception("pycoll.ps server %d: internal error serving %s request %d of "
+                          "worker %d", self.index, name, req.request, worker)
+            self._fail(call, f"pycoll.ps server {self.index}: internal error serving {name} "
+                             f"request {req.request} of worker {worker}: {err!r}")
+
+    def _fail(self, call: _Call, text: str) -> None:
+        """Answer ``call`` with an error, after taking what is left of its payload."""
+        self.stats["bad_requests"] += 1
+        try:
+            self._discard(call)
+        except Exception as err:         # what is left may never come: say so, serve on
+            text += f"; {err}"
+        if not text.startswith("pycoll.ps"):
+            text = f"pycoll.ps server {self.index}: {text}"
+        if call.answered:                # an error after the answer: the worker has its own
+            log.error("%s", text)
+            return
+        self._reply(call, wire.ERROR, text.encode())
 
     def _housekeeping(self) -> None:
         now = self.last_housekeeping = time.monotonic()
         self._retire()
-        if self.checkpoint_dir and self.checkpoint_every and \
-                now - self.last_checkpoint >= self.checkpoint_every:
-            self.checkpoint()
+        self.abandoned = [a for a in self.abandoned if not a[0].Test()]
         for pull in [p for p in self.pending if now - p.since > self.timeout]:
             self.pending.remove(pull)
-            behind = [w for w in range(self.workers)
-                      if self.sync.active[w] and self.sync.clocks[w] < pull.need]
-            self._reply(pull.worker, pull.request, wire.ERROR, (
-                f"pycoll.ps server {self.index}: a {self.policy} pull by worker {pull.worker} "
-                f"waited {now - pull.since:.0f} s for worker(s) {behind} (world ranks {behind}) "
-                f"to reach clock {pull.need}; they may have died or hung").encode())
+            behind = self._behind(pull.need)
+            self._reply(pull.call, wire.ERROR, (
+                f"pycoll.ps server {self.index}: a {self.policy} pull by worker "
+                f"{pull.call.worker} waited {now - pull.since:.0f} s for worker(s) {behind} "
+                f"(world ranks {behind}) to reach clock {pull.need}; they may have died or "
+                "hung").encode())
+        for entry in [e for e in self.waiting_checkpoints if now - e[2].since > self.timeout]:
+            self.waiting_checkpoints.remove(entry)
+            self._reply(entry[2], wire.ERROR, (
+                f"pycoll.ps server {self.index}: checkpoint generation {entry[0]} waited "
+                f"{now - entry[2].since:.0f} s for worker(s) {self._behind(entry[1])} to reach "
+                f"clock {entry[1]}; they may have died or hung").encode())
+
+    def _behind(self, clock: int) -> list:
+        return [w for w in range(self.workers)
+                if self.sync.active[w] and self.sync.clocks[w] < clock]
 
     # ------------------------------------------------------------ requests
-    def _on_init(self, worker, request, keys, specs):
-        """``specs``: [(key, dtype, total count, lo, hi)] in payload order."""
-        itemsizes = [np.dtype(dt).itemsize for _, dt, _, _, _ in specs]
-        sizes = [(hi - lo) * size for (_, _, _, lo, hi), size in zip(specs, itemsizes)]
-        payload = np.empty(sum(sizes), np.uint8)                 # rare: whole, then check
-        for first, end in wire.bounds(wire.pieces(sizes, itemsizes)):
-            self._receive(worker, payload[first:end])
-        offset, fresh = 0, []
-        for name, dtype, count, lo, hi in specs:
-            nbytes = (hi - lo) * np.dtype(dtype).itemsize
-            shard = self.shards.get(name)
-            if shard is None:
-                if dtype not in FLOATS:
-                    raise _ClientError(f"pycoll.ps: key {name!r} is {dtype}; servers keep "
-                                       f"float parameters ({', '.join(FLOATS)}); cast it first")
-                shard = self.shards[name] = Shard(dtype, count, lo, hi)
-                shard.params[:] = payload[offset:offset + nbytes].view(dtype)
-                fresh.append(name)
-            elif (shard.dtype, shard.count, shard.lo, shard.hi) != (dtype, count, lo, hi):
+    def _on_init(self, call: _Call) -> None:
+        """The keys' declarations and worker 0's values; keys already held (declared by
+        an earlier init or loaded from a checkpoint) must match and keep their values."""
+        entries = call.req.entries
+        for e in entries:
+            if e.dtype not in FLOATS:
+                raise _ClientError(f"key {e.name!r} is {e.dtype}; servers keep float "
+                                   f"parameters ({', '.join(FLOATS)}); cast it first")
+        if len({e.name for e in entries}) != len(entries):
+            raise _ClientError("init declares a key twice")
+        sizes = [e.nbytes for e in entries]
+        self._check_payload(call, sizes, [np.dtype(e.dtype).itemsize for e in entries])
+        if self.resumed is not None:
+            self._check_resumed(entries)
+        for e in entries:
+            shard = self.shards.get(e.name)
+            if shard is not None and (shard.dtype, shard.count, shard.lo, shard.hi) != \
+                    (e.dtype, e.count, e.lo, e.hi):
                 raise _ClientError(
-                    f"pycoll.ps server {self.index}: key {name!r} is held as {shard.dtype} "
-                    f"[{shard.lo}:{shard.hi}] of {shard.count} (from a checkpoint or another "
-                    f"worker) but worker {worker} declares {dtype} [{lo}:{hi}] of {count}; "
-                    "declare the same parameters on every worker and run")
+                    f"key {e.name!r} is held as {shard.dtype} [{shard.lo}:{shard.hi}] of "
+                    f"{shard.count} but worker {call.worker} declares {e.dtype} "
+                    f"[{e.lo}:{e.hi}] of {e.count}; declare the same parameters on every "
+                    "worker and run")
+        payload = np.empty(sum(sizes), np.uint8)                 # rare: whole, then set
+        edges = wire.bounds(self._messages(sizes, entries))
+        for message, (first, end) in zip(self._match(call, [b - a for a, b in edges]), edges):
+            self._take(call, message, payload[first:end])
+        offset = 0
+        for e, nbytes in zip(entries, sizes):
+            if e.name not in self.shards:
+                shard = self.shards[e.name] = Shard(e.dtype, e.count, e.lo, e.hi)
+                shard.params[:] = payload[offset:offset + nbytes].view(e.dtype)
+                self.changed = True
             offset += nbytes
-        self._reply(worker, request, wire.OK)
+        self._reply(call, wire.OK)
 
-    def _on_push(self, worker, request, keys, _extra):
-        """Each payload piece is scaled and applied (or added to its BSP round) as it
-        arrives, while it is in cache."""
-        shards = self._shards(keys, worker, "push")
+    def _on_push(self, call: _Call, answer: bool = True) -> None:
+        """Each payload piece is applied (or added to its BSP round) as it arrives, while
+        it is in cache; every message is matched and its size checked first."""
+        shards = self._shards(call, "push")
+        sizes = [s.params.nbytes for s in shards]
+        self._check_payload(call, sizes, [s.params.itemsize for s in shards])
+        messages = self._messages(sizes, shards)
+        matched = self._match(call, [end - first for first, end in wire.bounds(messages)])
+        worker, keys = call.worker, [e.name for e in call.req.entries]
         self.stats["pushes"] += 1
+        self.changed = True
         self.sync.clocks[worker] += 1
         scale = 1.0 / self.workers
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
-        sizes = [s.params.nbytes for s in shards]
-        messages = wire.pieces(sizes, [s.params.itemsize for s in shards])
-        for segments, (first, end) in zip(messages, wire.bounds(messages)):
-            piece = self._receive(worker, self.scratch[:end - first])
+        if round_sums is not None:
+            for name in keys:
+                round_sums.setdefault(name, [None, 0])[1] += 1
+        for segments, message in zip(messages, matched):
+            piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
             offset = 0
             for index, lo, hi in segments:
                 shard, name = shards[index], keys[index]
                 values = piece[offset:offset + hi - lo].view(shard.dtype)
                 start = lo // shard.params.itemsize
                 offset += hi - lo
-                if scale != 1.0:
-                    values *= scale
                 if round_sums is None:
+                    if scale != 1.0:
+                        values *= scale
                     self._apply(shard, values, start)
-                else:
-                    total = round_sums.get(name)
-                    if total is None:
-                        total = round_sums[name] = np.zeros_like(shard.params)
-                    total[start:start + len(values)] += values
+                else:                      # summed now, divided by its pushes when applied
+                    entry = round_sums[name]
+                    if entry[0] is None:
+                        entry[0] = np.zeros_like(shard.params)
+                    entry[0][start:start + len(values)] += values
         if round_sums is None:
             self.stats["updates"] += len(shards)
+        if answer:
+            self._reply(call, wire.OK)
         self._advance()
 
-    def _on_pull(self, worker, request, keys, waited):
-        self._shards(keys, worker, "pull")
+    def _on_pull(self, call: _Call, shards=None) -> None:
+        if shards is None:
+            shards = self._shards(call, "pull")
+            self._check_payload(call, [], [])
+        worker = call.worker
         self.stats["pulls"] += 1
-        pull = _Pull(worker, request, keys, self.policy.wait_for(self.sync, worker),
-                     time.monotonic(), waited)
-        queued = any(p.worker == worker for p in self.pending)   # a worker's pulls stay in order
+        pull = _Pull(call, shards, self.policy.wait_for(self.sync, worker),
+                     time.monotonic(), call.req.waited)
+        queued = any(p.call.worker == worker for p in self.pending)   # a worker's pulls in order
         if not queued and self.sync.min_clock >= pull.need:
             self._answer(pull)
         elif self.policy.buffers or queued:
@@ -179,44 +288,149 @@ class Server:
         else:
             self.stats["delayed_pulls"] += 1
             slowest = self.sync.slowest()
-            self._reply(worker, request, wire.RETRY, laggard=slowest[0] if slowest else -1)
+            self._reply(call, wire.RETRY, laggard=slowest[0] if slowest else -1)
 
-    def _on_stats(self, worker, request, keys, _extra):
-        self._reply(worker, request, wire.OK, json.dumps(self.stats_dict()).encode())
+    def _on_push_pull(self, call: _Call) -> None:
+        """A push, then a pull of the same keys: one header, one answer (the parameters)."""
+        self._on_push(call, answer=False)
+        self._on_pull(call, self.tables[call.req.table])
 
-    def _on_checkpoint(self, worker, request, keys, _extra):
+    def _on_stats(self, call: _Call) -> None:
+        self._reply(call, wire.OK, json.dumps(self.stats_dict()).encode())
+
+    def _on_checkpoint(self, call: _Call) -> None:
+        """Save a generation. Under BSP ``arg`` is the requesting worker's push count
+        here: the generation holds the state after exactly that round, written when it is
+        applied (later rounds' pushes wait in their sums), so every server saves the same
+        cut without talking to the others."""
         if not self.checkpoint_dir:
-            raise _ClientError("pycoll.ps: checkpoint() needs pycoll.ps.init(checkpoint_dir=...)")
-        self.checkpoint()
-        self._reply(worker, request, wire.OK)
+            raise _ClientError("checkpoint() needs pycoll.ps.init(checkpoint_dir=...)")
+        self.generation += 1
+        if self.policy.rounds and self.applied_round < call.req.arg:
+            self.waiting_checkpoints.append((self.generation, call.req.arg, call))
+            return
+        self._save_for(call, self.generation, call.req.arg if self.policy.rounds else None)
 
-    def _on_done(self, worker, request, keys, _extra):
-        self.sync.active[worker] = False       # no longer holds anyone back
+    def _on_done(self, call: _Call) -> None:
+        self.sync.active[call.worker] = False       # no longer holds anyone back
+        self._reply(call, wire.OK)
         self._advance()
 
-    # ------------------------------------------------------------ helpers
-    def _shards(self, keys, worker, what) -> List[Shard]:
-        try:
-            return [self.shards[k] for k in keys]
-        except KeyError as err:
-            raise _ClientError(f"pycoll.ps server {self.index}: worker {worker} asked to {what} "
-                               f"key {err.args[0]!r}, which it does not hold; call "
-                               "pycoll.ps.init_params with every key on every worker first") from None
+    # ------------------------------------------------------------ checks
+    def _shards(self, call: _Call, what: str) -> List[Shard]:
+        """The shards a request names, checked against its entries (cached per table)."""
+        table = call.req.table
+        shards = self.tables.get(table)
+        if shards is not None:
+            return shards
+        shards = []
+        for e in call.req.entries:
+            shard = self.shards.get(e.name)
+            if shard is None:
+                raise _ClientError(f"worker {call.worker} asked to {what} key {e.name!r}, which "
+                                   "this server does not hold; call pycoll.ps.init_params with "
+                                   "every key on every worker first")
+            if (shard.dtype, shard.count, shard.lo, shard.hi) != (e.dtype, e.count, e.lo, e.hi):
+                raise _ClientError(
+                    f"worker {call.worker}'s {what} says key {e.name!r} is {e.dtype} "
+                    f"[{e.lo}:{e.hi}] of {e.count}; this server holds {shard.dtype} "
+                    f"[{shard.lo}:{shard.hi}] of {shard.count}")
+            shards.append(shard)
+        if len(set(map(id, shards))) != len(shards):
+            raise _ClientError(f"worker {call.worker}'s {what} names a key twice")
+        self.tables[table] = shards
+        return shards
 
-    def _receive(self, worker: int, into: np.ndarray) -> np.ndarray:
-        """The next payload piece from ``worker``, which must fill ``into`` exactly."""
-        status = MPI.Status()
-        self.comm.Probe(worker, wire.PAYLOAD, status)
-        got = status.Get_count(MPI.BYTE)
-        if got != into.nbytes:
-            self.comm.Recv([np.empty(got, np.uint8), got, MPI.BYTE], worker, wire.PAYLOAD)
-            raise _ClientError(f"pycoll.ps server {self.index}: worker {worker} sent a piece of "
-                               f"{got} bytes where its keys hold {into.nbytes}; every worker "
-                               "must declare the same shapes and dtypes")
-        self.comm.Recv([into, got, MPI.BYTE], worker, wire.PAYLOAD)
-        self.stats["bytes_in"] += got
+    @staticmethod
+    def _messages(sizes, items):
+        itemsizes = [np.dtype(i.dtype).itemsize for i in items]
+        return wire.pieces(sizes, itemsizes)
+
+    def _check_payload(self, call: _Call, sizes, itemsizes) -> None:
+        req = call.req
+        expect = len(wire.pieces(sizes, itemsizes)) if sizes else 0
+        if req.npieces != expect or req.nbytes != sum(sizes):
+            raise _ClientError(f"{wire.OP_NAMES[req.op]} request {req.request} of worker "
+                               f"{call.worker} announces {req.npieces} payload messages of "
+                               f"{req.nbytes} bytes; its keys take {expect} of {sum(sizes)}")
+
+    def _match(self, call: _Call, sizes: List[int]) -> List[MPI.Message]:
+        """Match every payload message of ``call`` (waiting at most the timeout for a
+        sender that may have died) and check their sizes, before any is received."""
+        tag, status = wire.tags(call.req.slot)[3], MPI.Status()
+        deadline = time.monotonic() + self.timeout
+        while len(call.pending) < len(sizes):
+            message = self.comm.improbe(call.worker, tag, status)
+            if message is not None:
+                call.pending.append((message, status.Get_count(MPI.BYTE)))
+                continue
+            _late(deadline, self.timeout)
+            if time.monotonic() > deadline:
+                call.taken = call.req.npieces - len(call.pending)   # stop looking for more
+                raise _ClientError(
+                    f"worker {call.worker} (world rank {call.worker}) sent {len(call.pending)} "
+                    f"of the {len(sizes)} payload messages of its {wire.OP_NAMES[call.req.op]} "
+                    f"request {call.req.request} within {self.timeout:g} s; it may have died")
+        got = [n for _, n in call.pending]
+        if got != sizes:
+            raise _ClientError(f"worker {call.worker}'s {wire.OP_NAMES[call.req.op]} payload "
+                               f"came in messages of {got} bytes where its keys take {sizes} "
+                               "(a wrong-size tensor?)")
+        return [m for m, _ in call.pending]
+
+    def _take(self, call: _Call, message: MPI.Message, into: np.ndarray) -> np.ndarray:
+        """Receive one matched payload message into ``into`` within the timeout."""
+        call.pending = [p for p in call.pending if p[0] is not message]
+        call.taken += 1
+        request = message.Irecv([into, into.nbytes, MPI.BYTE])
+        deadline = time.monotonic() + self.timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                request.Cancel()
+                self.abandoned.append((request, into))      # MPI may still write there
+                if into.base is self.scratch:
+                    self.scratch = np.empty(wire.PIECE, np.uint8)
+                raise _ClientError(f"a payload message of worker {call.worker} did not arrive "
+                                   f"within {self.timeout:g} s; it may have died")
+        self.stats["bytes_in"] += into.nbytes
         return into
 
+    def _discard(self, call: _Call) -> None:
+        """Take what is left of a refused request's payload, so that the worker's next
+        request on this slot is read from its own start."""
+        tag, status = wire.tags(call.req.slot)[3], MPI.Status()
+        deadline = time.monotonic() + self.timeout
+        while call.pending or call.taken < call.req.npieces:
+            if not call.pending:
+                message = self.comm.improbe(call.worker, tag, status)
+                if message is not None:
+                    call.pending = [(message, status.Get_count(MPI.BYTE))]
+                    continue
+                _late(deadline, self.timeout)
+                if time.monotonic() > deadline:
+                    left, call.taken = call.req.npieces - call.taken, call.req.npieces
+                    raise _ClientError(f"{left} of its payload messages did not come within "
+                                       f"{self.timeout:g} s")
+                continue
+            message, size = call.pending[0]
+            self._take(call, message, self.scratch[:size] if size <= wire.PIECE
+                       else np.empty(size, np.uint8))
+
+    def _check_resumed(self, entries) -> None:
+        """The first init after a resume must declare exactly the checkpoint's layout."""
+        state, self.resumed = self.resumed, None
+        declared = {e.name: (e.dtype, e.count, e.lo, e.hi) for e in entries}
+        saved = {k[0]: tuple(k[1:]) for k in state.keys}
+        if declared == saved:
+            return
+        diffs = [f"{n!r}: checkpoint {_range(saved.get(n))}, job {_range(declared.get(n))}"
+                 for n in sorted(set(saved) | set(declared)) if saved.get(n) != declared.get(n)]
+        self.resumed = state
+        raise _ClientError(f"checkpoint {state.manifest} holds another layout than this job "
+                           f"declares: {'; '.join(diffs[:5])}{' ...' if len(diffs) > 5 else ''} "
+                           "(declare the same parameters, or use another checkpoint_dir)")
+
+    # ------------------------------------------------------------ updates and answers
     def _apply(self, shard: Shard, update: np.ndarray, start: int = 0) -> None:
         """Copy on write: a reply still sending the shard's parameters keeps the old array
         and the shard goes on with a copy, so replies never wait and never copy up front."""
@@ -226,48 +440,64 @@ class Server:
         shard.apply(update, self.sgd, start)
 
     def _advance(self) -> None:
-        """Apply completed BSP rounds, then answer the buffered pulls that may go."""
+        """Apply completed BSP rounds (each key's sum over the pushes it got: the mean
+        over the workers still active), save the checkpoints waiting for them, then
+        answer the buffered pulls that may go."""
         low = self.sync.min_clock
         while self.policy.rounds and self.applied_round < low and self.rounds:
             self.applied_round += 1
-            for name, total in self.rounds.pop(self.applied_round, {}).items():
-                self._apply(self.shards[name], total)
-                self.stats["updates"] += 1
+            for name, (total, pushes) in self.rounds.pop(self.applied_round, {}).items():
+                if total is not None:
+                    if pushes > 1:
+                        total *= 1.0 / pushes
+                    self._apply(self.shards[name], total)
+                    self.stats["updates"] += 1
+            for entry in [e for e in self.waiting_checkpoints if e[1] <= self.applied_round]:
+                self.waiting_checkpoints.remove(entry)
+                self._save_for(entry[2], entry[0], entry[1])
         waiting = set()
         for pull in list(self.pending):
-            if pull.worker not in waiting and self.sync.min_clock >= pull.need:
+            if pull.call.worker not in waiting and self.sync.min_clock >= pull.need:
                 self.pending.remove(pull)
                 self._answer(pull)
             else:
-                waiting.add(pull.worker)
+                waiting.add(pull.call.worker)
 
     def _answer(self, pull: _Pull) -> None:
-        shards = [self.shards[k] for k in pull.keys]
+        shards = pull.shards
         self.stats["delay_s"] += time.monotonic() - pull.since + pull.waited
         if len(shards) == 1:               # straight from the parameters (see _apply)
-            self._reply(pull.worker, pull.request, wire.OK, shards[0].params.view(np.uint8),
+            self._reply(pull.call, wire.OK, shards[0].params.view(np.uint8),
                         lent=shards[0].params)
             return
         data, offset = np.empty(sum(s.params.nbytes for s in shards), np.uint8), 0
         for s in shards:
             data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
             offset += s.params.nbytes
-        self._reply(pull.worker, pull.request, wire.OK, data)
+        self._reply(pull.call, wire.OK, data)
 
-    def _reply(self, worker, request, status, data=b"", laggard=-1, lent=None) -> None:
+    def _reply(self, call: _Call, status, data=b"", laggard=-1, lent=None) -> None:
+        call.answered = True
+        self._reply_to(call.worker, call.req.slot, call.req.request, status, data, laggard, lent)
+
+    def _reply_to(self, worker, slot, request, status, data=b"", laggard=-1, lent=None) -> None:
         """Send a reply without waiting for the worker to take it: the worker's thread
         completes it when it next polls. ``lent``: parameters the reply reads."""
-        meta_tag, data_tag, text_tag = wire.reply_tags(request)
+        meta_tag, data_tag, text_tag, _ = wire.tags(slot)
         if isinstance(data, bytes):
             data, data_tag = np.frombuffer(data, np.uint8), text_tag
-        clock = self.sync.clocks[worker]
+        clock = self.sync.clocks[worker] if worker < self.workers else 0
         low = min(self.sync.min_clock, max(self.sync.clocks))
-        meta = wire.meta(status, clock, low, data.nbytes, laggard)
+        meta = wire.meta(status, clock, low, data.nbytes, laggard, request)
         requests = [self.comm.Isend(meta, worker, meta_tag)]
         if data.nbytes:
             requests.append(self.comm.Isend([data, data.nbytes, MPI.BYTE], worker, data_tag))
             self.stats["bytes_out"] += data.nbytes
         self.sending.append(_Sending(requests, (meta, data), lent))
+
+    def _send_text(self, rank: int, tag: int, text: str) -> None:
+        data = np.frombuffer(text.encode(), np.uint8)
+        self.sending.append(_Sending([self.comm.Isend([data, MPI.BYTE], rank, tag)], (data,), None))
 
     def _retire(self) -> None:
         """Forget the replies that are complete. A worker that has just taken one is
@@ -292,43 +522,86 @@ class Server:
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:
         return dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
-                    cpu_s=time.process_time())
+                    cpu_s=time.process_time(), generation=self.generation)
 
-    def _path(self) -> str:
-        return os.path.join(self.checkpoint_dir, f"server-{self.index}.pkl")
-
-    def checkpoint(self) -> None:
-        """Save parameters, optimizer state and clocks (atomically: write, then rename)."""
-        os.makedirs(self.checkpoint_dir, exist_ok=True)
-        state = dict(shards={k: (s.dtype, s.count, s.lo, s.hi, s.params, s.momentum)
-                             for k, s in self.shards.items()},
-                     clocks=self.sync.clocks, rounds=self.rounds,
-                     applied_round=self.applied_round, policy=self.policy.name)
-        with open(self._path() + ".tmp", "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(self._path() + ".tmp", self._path())
-        self.stats["checkpoints"] += 1
-        self.last_checkpoint = time.monotonic()
-
-    def _load(self) -> None:
-        if not os.path.exists(self._path()):
+    def _save_for(self, call: _Call, generation: int, cut: Optional[int] = None) -> None:
+        """Save for a worker's request and answer it, with the error if the save failed."""
+        try:
+            self._save(generation, cut)
+        except _ClientError as err:
+            self._reply(call, wire.ERROR, f"pycoll.ps server {self.index}: {err}".encode())
             return
-        with open(self._path(), "rb") as f:
-            state = pickle.load(f)
-        if len(state["clocks"]) != self.workers:
-            raise RuntimeError(f"pycoll.ps server {self.index}: checkpoint {self._path()} is "
-                               f"from {len(state['clocks'])} workers, this job has {self.workers}; "
-                               "restart with the same numbers of servers and workers")
-        for name, (dtype, count, lo, hi, params, momentum) in state["shards"].items():
+        self._reply(call, wire.OK)
+
+    def _save(self, generation: int, cut: Optional[int] = None) -> None:
+        """Write ``generation``; ``cut``: the BSP round it is the state after (clocks past
+        it belong to pushes still waiting in their rounds' sums)."""
+        names = sorted(self.shards)
+        shards = [self.shards[n] for n in names]
+        clocks = self.sync.clocks if cut is None else [min(c, cut) for c in self.sync.clocks]
+        try:
+            ckpt.save(self.checkpoint_dir, self.index, generation, self.job,
+                      [(n, s.dtype, s.count, s.lo, s.hi) for n, s in zip(names, shards)],
+                      [s.params for s in shards], [s.momentum for s in shards], clocks,
+                      self.applied_round)
+        except OSError as err:
+            raise _ClientError(f"could not write checkpoint generation {generation} to "
+                               f"{self.checkpoint_dir}: {err}") from None
+        ckpt.prune(self.checkpoint_dir, self.index, {generation, self.kept})
+        self.kept, self.changed = generation, False
+        self.stats["checkpoints"] += 1
+
+    def _resume(self, servers_comm) -> None:
+        """Load the newest generation that is complete and intact on every server (they
+        agree by exchanging what they have); refuse to serve if there is none."""
+        good, bad = ckpt.scan(self.checkpoint_dir, self.index, self.job)
+        mine = dict(good=sorted(good), bad={str(g): t for g, t in bad.items()},
+                    newest=max(list(good) + list(bad), default=0))
+        everyone = [json.loads(b) for b in wire.exchange(
+            servers_comm, json.dumps(mine).encode(), "resuming from a checkpoint", "server",
+            self.timeout)]
+        self.generation = max(e["newest"] for e in everyone)
+        if self.generation == 0:
+            return                                     # nothing saved anywhere: start afresh
+        common = set.intersection(*(set(e["good"]) for e in everyone))
+        if not common:
+            problems = [t for e in everyone for t in e["bad"].values()] or [
+                f"server {s} has generations {e['good'] or 'none'}"
+                for s, e in enumerate(everyone)]
+            self.refusal = (f"pycoll.ps server {self.index}: no checkpoint generation in "
+                            f"{self.checkpoint_dir} is complete and intact on every server: "
+                            + "; ".join(problems))
+            log.error("%s", self.refusal)
+            return
+        chosen = max(common)
+        for generation in sorted(set(good) | set(bad), reverse=True):
+            if generation > chosen:
+                why = bad.get(generation) or "it is not complete on every server"
+                log.warning("pycoll.ps server %d: resuming from generation %d, not %d: %s",
+                            self.index, chosen, generation, why)
+        state = self.resumed = good[chosen]
+        for (name, dtype, count, lo, hi), params, momentum in zip(state.keys, state.params,
+                                                                 state.momentum):
             shard = self.shards[name] = Shard(dtype, count, lo, hi)
             shard.params[:] = params
             shard.momentum = momentum
-        self.sync.clocks[:] = state["clocks"]
-        self.rounds, self.applied_round = state["rounds"], state["applied_round"]
-        self.stats["resumed"] = True
-        log.info("server %d resumed from %s at clocks %s", self.index, self._path(),
+        self.sync.clocks[:] = state.clocks
+        self.applied_round = state.applied_round
+        self.kept = chosen
+        self.stats["resumed"] = chosen
+        log.info("pycoll.ps server %d resumed from %s at clocks %s", self.index, state.manifest,
                  self.sync.clocks)
 
 
-class _ClientError(Exception):
-    """A bad request: reported to the worker that sent it; the server goes on."""
+def _late(deadline: float, timeout: float) -> None:
+    """While a payload is late: spin for the first millisecond (it follows its header at
+    once), then nap, so a dead sender does not cost a core until the deadline."""
+    if time.monotonic() > deadline - timeout + 1e-3:
+        time.sleep(1e-4)
+
+
+def _range(spec) -> str:
+    if spec is None:
+        return "absent"
+    dtype, count, lo, hi = spec
+    return f"{dtype} [{lo}:{hi}] of {count}"

@@ -1,29 +1,191 @@
-"""The messages between workers and servers (one place for tags and layouts).
+"""The messages between workers and servers: one place for tags, headers and layouts.
 
-A request is a pickled header ``(op, request_id, keys, extra)`` on ``REQUEST``; INIT and
-PUSH are followed by their payload on ``PAYLOAD`` (the server's ranges of the keys,
-back to back in key order), cut into the ``pieces`` both sides compute from the key
-sizes. Messages from one sender on one tag arrive in order, so a payload always follows
-its header. Every reply is a ``META`` int64 vector on the request's own tags, then, if
-``META[NBYTES]`` > 0, a raw message of that many bytes: parameters on the DATA tag (the
-worker posts that receive with the request, straight into the pull's tensors),
-statistics as JSON or an error text on the TEXT tag.
+A request is one binary message on ``REQUEST``: a fixed header (``HEADER``: magic,
+protocol version, op, tag slot, request id, an int and a float argument, key count,
+payload message count and bytes), then one ``ENTRY`` per key range (dtype code, name
+length, the key's element count, the range's first and end element), then the names
+in UTF-8. Nothing is pickled: a server parses it with ``parse`` and checks every field
+before it touches parameters. INIT, PUSH and PUSH_PULL are followed by their payload
+(the server's ranges of the keys, back to back in key order) in the ``pieces`` both
+sides compute from the key sizes, on the slot's payload tag. Every request is answered
+on its slot's tags: a ``META`` int64 vector (status, clocks, bytes, the request id it
+answers), then, if ``META[NBYTES]`` > 0, one raw message of that many bytes: parameters
+on the data tag (the worker posts that receive with the request, straight into the
+pull's tensors), statistics as JSON or an error text on the text tag. A request too
+broken to name its slot is answered with a text on ``BAD``.
+
+Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
+each request a free one, so tags never pass the communicator's ``MPI.TAG_UB`` however
+many requests a job makes; a slot is reused only once its request is complete.
 """
+import collections
+import struct
 import time
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-REQUEST, PAYLOAD = 1, 2
-INIT, PUSH, PULL, STATS, CHECKPOINT, DONE = "init", "push", "pull", "stats", "checkpoint", "done"
+MAGIC, VERSION = b"PCPS", 1
+REQUEST, BAD = 1, 2
+TAG_BASE, TAGS_PER_SLOT = 16, 4
+INIT, PUSH, PULL, PUSH_PULL, STATS, CHECKPOINT, DONE = range(1, 8)
+OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull",
+            STATS: "stats", CHECKPOINT: "checkpoint", DONE: "done"}
+WITH_PAYLOAD = (INIT, PUSH, PUSH_PULL)
 OK, RETRY, ERROR = 0, 1, 2
-STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD = range(5)
-META_LEN = 5
-_TAG_BASE, _TAG_SPAN = 16, 1 << 24
+STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID = range(6)
+META_LEN = 6
+# magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes
+HEADER = struct.Struct("<4sHHIQqdIIQ")
+ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo", "<i8"),
+                  ("hi", "<i8")])                       # packed: 27 bytes
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
+          "uint8")                                      # codes on the wire: never reorder
+ITEMSIZES = (2, 2, 4, 8, 1, 2, 4, 8, 1)
 # Payload pieces: the server adds each piece into its parameters while the piece is still
 # in cache, instead of landing the whole payload in memory and reading it back (a third
 # less memory traffic for big pushes); 1 MiB keeps the per-message cost negligible.
 PIECE = 1 << 20
+
+
+class BadRequest(Exception):
+    """A request the server cannot act on; ``slot``/``request`` say where to answer
+    (None: the header is too broken to tell, answer on ``BAD``)."""
+
+    def __init__(self, text: str, slot: Optional[int] = None, request: int = 0):
+        super().__init__(text)
+        self.slot, self.request = slot, request
+
+
+class Entry(NamedTuple):
+    name: str
+    dtype: str
+    count: int          # the key's elements
+    lo: int             # this range's first and end element
+    hi: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * ITEMSIZES[DTYPES.index(self.dtype)]
+
+
+class Request(NamedTuple):
+    op: int
+    slot: int
+    request: int
+    arg: int
+    waited: float
+    entries: Tuple[Entry, ...]
+    table: bytes         # the raw entries and names: a server caches what it validated
+    npieces: int
+    nbytes: int
+
+
+def encode_table(entries: Sequence[Entry]) -> bytes:
+    """The entries and names of a header (workers cache it per key set)."""
+    names = [e.name.encode() for e in entries]
+    table = np.zeros(len(entries), ENTRY)
+    for row, (e, name) in zip(table, zip(entries, names)):
+        row["dtype"], row["name_len"] = DTYPES.index(e.dtype), len(name)
+        row["count"], row["lo"], row["hi"] = e.count, e.lo, e.hi
+    return table.tobytes() + b"".join(names)
+
+
+def encode(op: int, slot: int, request: int, table: bytes = b"", nkeys: int = 0,
+           arg: int = 0, waited: float = 0.0, npieces: int = 0, nbytes: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, slot, request, arg, waited, nkeys, npieces,
+                       nbytes) + table
+
+
+def parse(raw, tag_ub: int) -> Request:
+    """Check and decode a request; ``BadRequest`` says what is wrong."""
+    raw = bytes(raw)
+    if len(raw) < HEADER.size:
+        raise BadRequest(f"request of {len(raw)} bytes is shorter than the {HEADER.size}-byte "
+                         "header (truncated or not a pycoll.ps request)")
+    magic, version, op, slot, request, arg, waited, nkeys, npieces, nbytes = \
+        HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise BadRequest(f"request starts with {magic!r}, not {MAGIC!r}: not a pycoll.ps request")
+    if version != VERSION:
+        raise BadRequest(f"request has protocol version {version}; this server speaks "
+                         f"{VERSION} (mixed pycoll versions?)")
+    if slot >= slots(tag_ub):
+        raise BadRequest(f"request names tag slot {slot}; tags end at {tag_ub} "
+                         f"({slots(tag_ub)} slots)")
+    if op not in OP_NAMES:
+        raise BadRequest(f"unknown op {op} (known: {OP_NAMES})", slot, request)
+    table = raw[HEADER.size:]
+    if nkeys * ENTRY.itemsize > len(table):
+        raise BadRequest(f"{OP_NAMES[op]} request {request} declares {nkeys} keys but carries "
+                         f"{len(table)} bytes for them (truncated)", slot, request)
+    rows = np.frombuffer(table, ENTRY, nkeys)
+    names, offset = table[nkeys * ENTRY.itemsize:], 0
+    if len(names) != int(rows["name_len"].sum()):
+        raise BadRequest(f"{OP_NAMES[op]} request {request}: the key names take {len(names)} "
+                         f"bytes, the entries say {int(rows['name_len'].sum())} (truncated?)",
+                         slot, request)
+    entries = []
+    for row in rows.tolist():
+        code, length, count, lo, hi = row
+        try:
+            name = names[offset:offset + length].decode()
+        except UnicodeDecodeError:
+            raise BadRequest(f"{OP_NAMES[op]} request {request}: a key name is not UTF-8",
+                             slot, request) from None
+        offset += length
+        if code >= len(DTYPES) or not 0 <= lo <= hi <= count:
+            raise BadRequest(f"{OP_NAMES[op]} request {request}: key {name!r} has dtype code "
+                             f"{code}, range [{lo}:{hi}] of {count}: invalid", slot, request)
+        entries.append(Entry(name, DTYPES[code], count, lo, hi))
+    return Request(op, slot, request, arg, waited, tuple(entries), table, npieces, nbytes)
+
+
+# ---------------------------------------------------------------- tags
+def slots(tag_ub: int) -> int:
+    """How many requests may be in flight at once under ``tag_ub``."""
+    return max(0, (tag_ub - TAG_BASE + 1) // TAGS_PER_SLOT)
+
+
+def tags(slot: int):
+    """(meta, data, text, payload) tags of a slot."""
+    base = TAG_BASE + TAGS_PER_SLOT * slot
+    return base, base + 1, base + 2, base + 3
+
+
+class Slots:
+    """A worker's tag slots: a slot is reused once its request is complete (most recently
+    freed last), and a new one is opened only when none is free, so the tags in use stay
+    few and low. ``lose`` retires a slot whose request was abandoned: a late answer could
+    still arrive on its tags."""
+
+    def __init__(self, tag_ub: int):
+        self.count = slots(tag_ub)
+        if self.count < 1:
+            raise ValueError(f"pycoll.ps: tag_ub={tag_ub} leaves no tag slot; it must be at "
+                             f"least {TAG_BASE + TAGS_PER_SLOT - 1}")
+        self.opened = 0                       # slots 0 .. opened-1 have been handed out
+        self.free: collections.deque = collections.deque()
+        self.lost = 0
+
+    def available(self) -> bool:
+        return bool(self.free) or self.opened < self.count
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.popleft()
+        self.opened += 1
+        return self.opened - 1
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def lose(self, slot: int) -> None:
+        self.lost += 1
+
+
+def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0) -> np.ndarray:
+    return np.array([status, clock, min_clock, nbytes, laggard, request], np.int64)
 
 
 def nap(quiet_s: float, shortest: float, longest: float) -> None:
@@ -31,16 +193,6 @@ def nap(quiet_s: float, shortest: float, longest: float) -> None:
     sleep a fraction of the quiet spell so far, so an answer that ends it is late by
     about 1/8 of the spell at most, and a long-idle rank wakes only 1/longest a second."""
     time.sleep(min(longest, max(shortest, quiet_s / 8)))
-
-
-def reply_tags(request_id: int):
-    """(meta, data, text) tags of a request: distinct for any 16M requests in flight."""
-    base = _TAG_BASE + 3 * (request_id % _TAG_SPAN)
-    return base, base + 1, base + 2
-
-
-def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1) -> np.ndarray:
-    return np.array([status, clock, min_clock, nbytes, laggard], np.int64)
 
 
 def pieces(nbytes: Sequence[int], itemsizes: Sequence[int],
@@ -74,3 +226,41 @@ def bounds(messages: List[List[Tuple[int, int, int]]]) -> List[Tuple[int, int]]:
         out.append((offset, end))
         offset = end
     return out
+
+
+_LEFT: list = []    # sends a timed-out exchange left in flight, with their buffers
+EXCHANGE = 1        # the tag of ``exchange`` on the workers' or the servers' own communicator
+
+
+def exchange(comm, data: bytes, what: str, who: str, timeout: float) -> List[bytes]:
+    """Every rank's ``data``: an allgather of byte strings by point-to-point messages,
+    polled until ``timeout``, so a rank that never joins is named (as ``who`` N) instead
+    of hanging everyone; nothing is pickled. Also the barrier of ``pycoll.ps``."""
+    from mpi4py import MPI
+    from ..inspector import _poll
+    from ..work import CollectiveTimeout
+    mine = np.frombuffer(data, np.uint8)
+    sends = [comm.Isend([mine, MPI.BYTE], r, EXCHANGE) for r in range(comm.size)
+             if r != comm.rank]
+    got, status, start = {comm.rank: bytes(data)}, MPI.Status(), time.monotonic()
+    while len(got) < comm.size:
+        for r in range(comm.size):
+            message = None if r in got else comm.improbe(r, EXCHANGE, status)
+            if message is not None:
+                buf = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                message.Recv([buf, MPI.BYTE])
+                got[r] = buf.tobytes()
+        waited = time.monotonic() - start
+        if len(got) < comm.size and waited > timeout:
+            _LEFT.append((sends, mine))      # MPI may still read ``mine``: keep it
+            missing = [r for r in range(comm.size) if r not in got]
+            raise CollectiveTimeout(f"pycoll.ps: {what}: {who}(s) {missing} did not join within "
+                                    f"{timeout:g} s; they may have died or hung (PYCOLL_TIMEOUT "
+                                    "sets the limit)")
+        if len(got) < comm.size:
+            nap(waited, 20e-6, 1e-2)
+    if _poll(sends, timeout, None):
+        _LEFT.append((sends, mine))
+        raise CollectiveTimeout(f"pycoll.ps: {what}: a {who} did not take this rank's message "
+                                f"within {timeout:g} s")
+    return [got[r] for r in range(comm.size)]

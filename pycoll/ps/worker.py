@@ -1,15 +1,24 @@
-"""The worker side: requests to servers, in flight together, driven by one thread.
+"""A worker's side of the protocol: requests become ``Work`` at once.
 
-Every push, pull or control request becomes one part per server it touches. The
-``pycoll-ps`` thread posts each part's nonblocking sends and receives as soon as it is
-issued, so requests to different servers overlap, and completes the request's ``Work``
-when all of its parts are done. Payloads go straight from and to the caller's tensors
-when a server holds one contiguous range of them; otherwise they are packed or unpacked
-with ``pycoll._C`` (GIL released). The thread polls MPI while requests are in flight,
-napping a fraction of the quiet spell between polls (``wire.nap``), and sleeps on a
-condition variable when none are.
+``push``, ``pull`` and ``push_pull`` build one ``_Part`` per server holding the keys
+(``layout.by_server``) and hand them to the worker's thread, which posts each part's
+nonblocking sends and receives as soon as the part has a tag slot (``wire.Slots``), in
+submission order, so requests to different servers overlap, and completes the request's
+``Work`` when all of its parts are done. Payloads go straight from and to the caller's
+tensors when a server holds one contiguous range of them; otherwise they are packed or
+unpacked with ``pycoll._C`` (GIL released). The thread polls MPI while requests are in
+flight, napping a fraction of the quiet spell between polls (``wire.nap``), and sleeps on
+a condition variable when none are.
+
+Every request is answered. A server's error fails the request's ``Work`` with the
+server's text once its other parts are answered too (the streams stay in step). A
+request with no answer within the timeout is cancelled: its MPI requests are cancelled
+and completed before their buffers are let go, and its slot is never used again (a late
+answer could land there). If the thread itself fails, every pending ``Work`` fails with
+the error and the next call raises it.
 """
 import collections
+import logging
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
@@ -18,15 +27,18 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
+from ..inspector import _poll
 from ..tensors import as_buffer
 from ..work import CollectiveTimeout, Work
 from . import wire
 from .layout import Key, by_server
 
+log = logging.getLogger("pycoll.ps")
 SLEEP_MIN, SLEEP_MAX = 20e-6, 5e-4
 BIG = 256 << 10      # while a transfer this large is in flight the thread only yields:
                      # the copies progress in our MPI calls, and a sleep would stall them
 RETRY_MIN, RETRY_MAX = 5e-4, 4e-3        # SSP's refused pulls are sent again after this
+CANCEL_GRACE_S = 1.0                     # how long a cancelled request may take to complete
 
 
 class PSWork(Work):
@@ -44,25 +56,26 @@ class PSWork(Work):
 class _Part:
     """One request to one server."""
 
-    def __init__(self, server: int, op: str, keys: list, extra=None, payload=None,
-                 reply: bool = False, into=None, pieces=()):
-        self.server, self.op, self.keys, self.extra = server, op, keys, extra
+    def __init__(self, server: int, op: int, table: bytes = b"", nkeys: int = 0, arg: int = 0,
+                 payload=None, pieces=(), into=None):
+        self.server, self.op, self.table, self.nkeys, self.arg = server, op, table, nkeys, arg
         self.payload = payload          # uint8 array sent after the header, or None
         self.pieces = pieces            # (first, end) bytes of each payload message
         self.nbytes = 0 if payload is None else payload.nbytes
-        self.reply = reply              # whether the server answers
         self.into = into                # pull: uint8 memory the parameters land in
-        self.receive = None             # pull: the receive into ``into``, posted at send
         into_bytes = 0 if into is None else (
             into.nbytes if isinstance(into, np.ndarray) else len(into))
         self.big = max(self.nbytes, into_bytes) >= BIG
         self.requests: List[MPI.Request] = []
+        self.receive = None             # pull: the receive into ``into``, posted at send
         self.meta = np.zeros(wire.META_LEN, np.int64)
-        self.data = None                # reply data when not ``into``
-        self.stage = "new"              # new -> sent -> meta -> data -> done; retry
+        self.data = None                # reply text or JSON when not ``into``
+        self.stage = "new"              # new -> sent -> data -> done; retry; failed
+        self.slot: Optional[int] = None
         self.request_id = 0
         self.first_sent = self.retry_at = 0.0
         self.backoff = RETRY_MIN
+        self.laggard = -1
 
 
 class _Op:
@@ -70,33 +83,46 @@ class _Op:
         self.name, self.parts, self.work, self.finish = name, parts, work, finish
         self.keep = keep                # tensors the MPI calls read or write
         self.started = time.monotonic()
-
+        self.error: Optional[BaseException] = None     # a server's answer: after the rest
 
 
 def _spans(where, items):
     """(address, bytes) of each key range ``items`` names, in the caller's buffers."""
     return [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize) for k, r in items]
 
+
 class Client:
     """One worker's connection to the servers (``comm`` ranks ``server_ranks``)."""
 
-    def __init__(self, comm, server_ranks: Sequence[int], worker: int, timeout: float):
+    def __init__(self, comm, server_ranks: Sequence[int], worker: int, timeout: float,
+                 tag_ub: Optional[int] = None):
         self.comm, self.server_ranks, self.worker = comm, list(server_ranks), worker
         self.timeout = timeout
+        real_ub = comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self.tag_ub = real_ub if tag_ub is None else min(int(tag_ub), real_ub)
+        self.slots = wire.Slots(self.tag_ub)
         self.keys: Dict[str, Key] = {}
+        self._tables: Dict[tuple, bytes] = {}          # (server, names) -> header entries
         self._new: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._failed: Optional[BaseException] = None
         self._next_id = 0
-        self._thread = threading.Thread(target=self._loop, name="pycoll-ps", daemon=True)
-        self._thread.start()
+        self._zombies: list = []        # cancelled requests not yet complete, and buffers
         self.counters = dict(worker=worker, pushes=0, pulls=0, refused_pulls=0,
                              pull_wait_s=0.0, bytes_sent=0, bytes_received=0, clock=0,
-                             max_staleness=0)
-        self.clocks = [0] * len(self.server_ranks)
+                             max_staleness=0, requests=0, max_tag=0)
+        self.clocks = [0] * len(self.server_ranks)     # this worker's clock at each server
+        self.pushed = [0] * len(self.server_ranks)     # push requests submitted to each
+        self._thread = threading.Thread(target=self._run, name="pycoll-ps", daemon=True)
+        self._thread.start()
 
     # ------------------------------------------------------------ building requests
     def lookup(self, names) -> List[Key]:
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"pycoll.ps: key(s) {twice} appear more than once in one call; "
+                             "name each key once")
         try:
             return [self.keys[n] for n in names]
         except KeyError as err:
@@ -119,49 +145,58 @@ class Client:
             bufs.append(buf)
         return bufs
 
-    def push_parts(self, keys: List[Key], bufs, op=wire.PUSH, extra=None, reply=False,
-                   servers=None) -> List[_Part]:
-        parts = []
-        where = {k.name: b for k, b in zip(keys, bufs)}
-        for server, items in sorted(by_server(keys).items()):
-            if servers is not None and server not in servers:
-                continue
-            spans = _spans(where, items)
-            if len(spans) == 1:
-                payload = np.frombuffer(MPI.buffer.fromaddress(*spans[0]), np.uint8)
-            else:
-                payload = np.empty(sum(n for _, n in spans), np.uint8)
-                _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
-            if op == wire.INIT:
-                extra = [(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items]
-            pieces = wire.bounds(wire.pieces([n for _, n in spans],
-                                             [k.itemsize for k, _ in items]))
-            parts.append(_Part(server, op, [k.name for k, _ in items], extra, payload, reply,
-                               pieces=pieces))
-        return parts
+    def _table(self, server: int, items) -> bytes:
+        cache = (server, tuple(items))           # the keys themselves: they may be redeclared
+        table = self._tables.get(cache)
+        if table is None:
+            table = self._tables[cache] = wire.encode_table(
+                [wire.Entry(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items])
+        return table
 
-    def pull_parts(self, keys: List[Key], bufs):
-        """Parts that receive ``keys`` into ``bufs``, and the unpacking to run after."""
+    def parts(self, op: int, keys: List[Key], sources=None, outs=None):
+        """Parts that send ``sources`` (push, init) and/or receive into ``outs`` (pull),
+        and the unpacking to run once they are done."""
         parts, unpacks = [], []
-        where = {k.name: b for k, b in zip(keys, bufs)}
+        send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
+        recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
         for server, items in sorted(by_server(keys).items()):
-            spans = _spans(where, items)
-            if len(spans) == 1:
-                into = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
-            else:
-                into = np.empty(sum(n for _, n in spans), np.uint8)
-                unpacks.append((into, spans))
-            parts.append(_Part(server, wire.PULL, [k.name for k, _ in items], 0.0,
-                               reply=True, into=into))
+            payload = pieces = into = None
+            if send is not None:
+                spans = _spans(send, items)
+                if len(spans) == 1:
+                    payload = np.frombuffer(MPI.buffer.fromaddress(*spans[0]), np.uint8)
+                else:
+                    payload = np.empty(sum(n for _, n in spans), np.uint8)
+                    _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
+                pieces = wire.bounds(wire.pieces([n for _, n in spans],
+                                                 [k.itemsize for k, _ in items]))
+            if recv is not None:
+                spans = _spans(recv, items)
+                if len(spans) == 1:
+                    into = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
+                else:
+                    into = np.empty(sum(n for _, n in spans), np.uint8)
+                    unpacks.append((into, spans))
+            parts.append(_Part(server, op, self._table(server, items), len(items),
+                               payload=payload, pieces=pieces or (), into=into))
 
         def unpack():
             for staging, spans in unpacks:
                 _C.unpack(staging.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
         return parts, unpack
 
+    def control(self, op: int, arg: int = 0, servers=None) -> List[_Part]:
+        """A keyless request (stats, checkpoint, done) to each server."""
+        servers = range(len(self.server_ranks)) if servers is None else servers
+        return [_Part(s, op, arg=arg(s) if callable(arg) else arg) for s in servers]
+
     def submit(self, name: str, parts: List[_Part], finish=None, keep=None) -> PSWork:
+        self.raise_if_failed()
         work = PSWork(name, self.timeout)
         op = _Op(name, parts, work, finish, keep)
+        for part in parts:
+            if part.op in (wire.PUSH, wire.PUSH_PULL):
+                self.pushed[part.server] += 1
         if not parts:
             work._finish(finish() if finish else None)
             return work
@@ -170,15 +205,39 @@ class Client:
             self._cv.notify()
         return work
 
+    def raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"pycoll.ps: this worker's communication thread failed: "
+                               f"{self._failed!r}; the parameter server cannot be used "
+                               "further from this process") from self._failed
+
     def close(self) -> None:
         """End the thread once the requests submitted so far are done."""
         with self._cv:
             self._closed = True
             self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.timeout + 10.0)
 
     # ------------------------------------------------------------ the thread
-    def _loop(self) -> None:
+    def _run(self) -> None:
         active: List[_Op] = []
+        try:
+            self._loop(active)
+        except BaseException as error:          # never silently: every Work learns of it
+            log.error("pycoll.ps: worker %d's communication thread failed: %r",
+                      self.worker, error)
+            with self._cv:
+                self._failed = error
+                pending = active + list(self._new)
+                self._new.clear()
+            self._orphans = pending       # kept: MPI may still read or write their buffers
+            for op in pending:
+                if not op.work._done.is_set():
+                    op.work._finish(error=error)
+
+    def _loop(self, active: List[_Op]) -> None:
+        unsent: collections.deque = collections.deque()       # parts waiting for a slot
         quiet_since = time.monotonic()
         while True:
             with self._cv:
@@ -189,24 +248,30 @@ class Client:
                 fresh = list(self._new)
                 self._new.clear()
             for op in fresh:
-                for part in op.parts:
-                    self._send(part)
+                unsent.extend(op.parts)
             active += fresh
             moved = bool(fresh)
+            while unsent and self.slots.available():   # in order: servers see them as issued
+                self._send(unsent.popleft())
             for op in list(active):
                 try:
                     moved |= self._progress(op)
-                    done = all(p.stage == "done" for p in op.parts)
-                    if done:
-                        result = op.finish() if op.finish else None
+                    if any(p.stage not in ("done", "failed") for p in op.parts):
+                        continue
+                    if op.error is not None:
+                        raise op.error
+                    result = op.finish() if op.finish else None
                 except Exception as error:             # delivered to whoever waits
-                    self._cancel(op)
+                    self._abandon(op)
+                    for part in op.parts:
+                        if part in unsent:
+                            unsent.remove(part)
                     active.remove(op)
                     op.work._finish(error=error)
                     continue
-                if done:
-                    active.remove(op)
-                    op.work._finish(result)
+                active.remove(op)
+                op.work._finish(result)
+            self._bury()
             now = time.monotonic()
             if moved:
                 quiet_since = now
@@ -219,23 +284,26 @@ class Client:
         dest = self.server_ranks[part.server]
         resend = part.stage == "retry"
         if not resend:
-            self._next_id += 1
-            part.request_id = self._next_id
-        meta_tag, data_tag, _ = wire.reply_tags(part.request_id)
+            part.slot = self.slots.take()
+        self._next_id += 1
+        part.request_id = self._next_id
+        meta_tag, data_tag, text_tag, payload_tag = wire.tags(part.slot)
         now = time.monotonic()
         part.first_sent = part.first_sent or now
-        waited = now - part.first_sent if part.op == wire.PULL else part.extra
-        header = (part.op, part.request_id, part.keys, waited)
-        part.requests = [self.comm.isend(header, dest, wire.REQUEST)]
+        header = wire.encode(part.op, part.slot, part.request_id, part.table, part.nkeys,
+                             part.arg, now - part.first_sent, len(part.pieces), part.nbytes)
+        part.requests = [self.comm.Isend([header, MPI.BYTE], dest, wire.REQUEST)]
+        part.header = header            # kept alive until the send completes
         if part.payload is not None:
-            part.requests += [self.comm.Isend([part.payload[lo:hi], MPI.BYTE], dest, wire.PAYLOAD)
+            part.requests += [self.comm.Isend([part.payload[lo:hi], MPI.BYTE], dest, payload_tag)
                               for lo, hi in part.pieces]
             self.counters["bytes_sent"] += part.nbytes
-        if part.reply:
-            part.requests.append(self.comm.Irecv([part.meta, MPI.INT64_T], dest, meta_tag))
+        part.requests.append(self.comm.Irecv([part.meta, MPI.INT64_T], dest, meta_tag))
         if part.into is not None and not resend:
             # Posted now, straight into the tensors: the server's send never waits for us.
             part.receive = self.comm.Irecv([part.into, MPI.BYTE], dest, data_tag)
+        self.counters["requests"] += 1
+        self.counters["max_tag"] = max(self.counters["max_tag"], payload_tag)
         part.stage = "sent"
 
     def _progress(self, op: _Op) -> bool:
@@ -243,17 +311,17 @@ class Client:
         moved, now = False, time.monotonic()
         for part in op.parts:
             if part.stage == "retry":
-                if now >= part.retry_at:
+                if now >= part.retry_at:          # it kept its slot
                     self._send(part)
                     moved = True
                 continue
-            if part.stage == "done" or not MPI.Request.Testall(part.requests):
+            if part.stage in ("new", "done", "failed") or not MPI.Request.Testall(part.requests):
                 continue
             moved = True
-            if part.stage == "sent" and part.reply:
+            if part.stage == "sent":
                 self._on_meta(op, part)
-            elif part.stage in ("sent", "data"):
-                self._on_data(part)
+            else:
+                self._on_data(op, part)
         # A margin over the servers' own timeout, whose errors name the late workers.
         if not moved and now - op.started > self.timeout + 2.0:
             raise self._timed_out(op)
@@ -261,9 +329,15 @@ class Client:
 
     def _on_meta(self, op: _Op, part: _Part) -> None:
         meta, dest = part.meta, self.server_ranks[part.server]
+        if meta[wire.REQUEST_ID] != part.request_id:
+            raise RuntimeError(f"pycoll.ps: server {part.server} (world rank {dest}) answered "
+                               f"request {int(meta[wire.REQUEST_ID])} on the tags of request "
+                               f"{part.request_id} ({op.name}); the stream is out of step")
         self.clocks[part.server] = int(meta[wire.CLOCK])
         if meta[wire.STATUS] == wire.RETRY:
             self.counters["refused_pulls"] += 1
+            if part.op == wire.PUSH_PULL:     # the push is in: only the pull is asked again
+                part.op, part.payload, part.pieces, part.nbytes = wire.PULL, None, (), 0
             part.stage, part.retry_at = "retry", time.monotonic() + part.backoff
             part.backoff = min(2 * part.backoff, RETRY_MAX)
             part.laggard = int(meta[wire.LAGGARD])
@@ -273,33 +347,57 @@ class Client:
         part.stage = "data"
         if meta[wire.STATUS] == wire.OK and part.into is not None:
             expected = len(part.into) if not isinstance(part.into, np.ndarray) else part.into.nbytes
-            if nbytes != expected:
+            if nbytes != expected:           # cannot happen: the server checked the entries
                 raise RuntimeError(f"pycoll.ps: server {part.server} answered {op.name} with "
                                    f"{nbytes} bytes, expected {expected}")
             self.counters["max_staleness"] = max(self.counters["max_staleness"],
                                                  int(meta[wire.CLOCK] - meta[wire.MIN_CLOCK]))
             part.requests, part.receive = [part.receive], None
             return
-        _, _, text_tag = wire.reply_tags(part.request_id)
+        if part.receive is not None:         # an error: no data comes, take the receive back
+            part.receive.Cancel()
+            part.receive.Wait()
+            part.receive = None
+        text_tag = wire.tags(part.slot)[2]
         part.data = np.empty(nbytes, np.uint8)
         part.requests = [self.comm.Irecv([part.data, nbytes, MPI.BYTE], dest, text_tag)] \
             if nbytes else []
-        if meta[wire.STATUS] == wire.ERROR:
-            MPI.Request.Waitall(part.requests)      # the text is already on its way
-            raise _server_error(bytes(part.data).decode())
         if not nbytes:
-            self._on_data(part)
+            self._on_data(op, part)
 
-    def _on_data(self, part: _Part) -> None:
-        part.stage = "done"
-        if part.op == wire.PULL:
+    def _on_data(self, op: _Op, part: _Part) -> None:
+        if part.op == wire.PULL or part.op == wire.PUSH_PULL:
             self.counters["pull_wait_s"] += time.monotonic() - part.first_sent
+        self.slots.give(part.slot)
+        if part.meta[wire.STATUS] == wire.ERROR:
+            part.stage = "failed"
+            if op.error is None:
+                op.error = _server_error(bytes(part.data).decode(errors="replace"))
+        else:
+            part.stage = "done"
 
-    def _cancel(self, op: _Op) -> None:
+    def _abandon(self, op: _Op) -> None:
+        """Cancel what ``op`` still has in flight and complete it before its buffers go;
+        what does not complete in time is kept (with the buffers) and its slot retired."""
+        pending = []
         for part in op.parts:
-            for request in part.requests + ([part.receive] if part.receive else []):
+            if part.stage == "retry":        # answered: its slot is free of late answers
+                self.slots.give(part.slot)
+            if part.stage in ("new", "done", "failed", "retry"):
+                part.stage = "failed"
+                continue
+            part.stage = "failed"
+            requests = part.requests + ([part.receive] if part.receive else [])
+            for request in requests:
                 if request != MPI.REQUEST_NULL and not request.Test():
                     request.Cancel()
+            pending += requests
+            self.slots.lose(part.slot)       # a late answer may still come on its tags
+        if pending and _poll(pending, CANCEL_GRACE_S, None):
+            self._zombies.append((pending, op.keep, op.parts))
+
+    def _bury(self) -> None:
+        self._zombies = [z for z in self._zombies if not MPI.Request.Testall(z[0])]
 
     def _timed_out(self, op: _Op) -> Exception:
         for part in op.parts:
@@ -310,7 +408,11 @@ class Client:
                     f"{rank}) for {self.timeout:g} s while it waited for worker "
                     f"{part.laggard} (world rank {part.laggard}); that worker may have died "
                     "or hung (PYCOLL_TIMEOUT sets the limit)")
-            if part.stage != "done":
+            if part.stage == "new":
+                return CollectiveTimeout(
+                    f"pycoll.ps: {op.name} found no free tag slot within {self.timeout:g} s "
+                    f"({self.slots.lost} slots retired by requests that timed out)")
+            if part.stage not in ("done", "failed"):
                 return CollectiveTimeout(
                     f"pycoll.ps: server {part.server} (world rank {rank}) did not answer "
                     f"{op.name} within {self.timeout:g} s; it may have died or hung "

@@ -14,13 +14,11 @@ cannot) and an idle wait costs no core.
 """
 import hashlib
 import logging
-import time
-from typing import List
 
 import numpy as np
 
 from . import config
-from .work import CollectiveTimeout, poll
+from .work import CollectiveTimeout, wait_requests
 
 log = logging.getLogger("pycoll")
 
@@ -60,7 +58,7 @@ class Checker:
         if self.side.Get_rank() == 0:
             self._prints[0] = digest
             requests = [self.side.Irecv(self._prints[r], source=r, tag=tag) for r in range(1, size)]
-            missing = _poll(requests, timeout, (config.get("stall_warning_s"), lambda pending:
+            missing = wait_requests(requests, timeout, (config.get("stall_warning_s"), lambda pending:
                             log.warning("pycoll: %s has waited %g s for ranks %s", text,
                                         config.get("stall_warning_s"),
                                         [self.ranks[i + 1] for i in pending])))
@@ -75,7 +73,7 @@ class Checker:
                     self.side.Send(verdict, dest=r, tag=tag)
         else:
             self.side.Send(digest, dest=0, tag=tag)
-            if _poll([self.side.Irecv(verdict, source=0, tag=tag)], timeout + 2.0, None):
+            if wait_requests([self.side.Irecv(verdict, source=0, tag=tag)], timeout + 2.0, None):
                 raise CollectiveTimeout(
                     f"pycoll: {text} got no answer within {timeout:g} s from rank "
                     f"{self.ranks[0]}, which coordinates this group: it has died or is stuck "
@@ -92,25 +90,3 @@ class Checker:
             raise CollectiveTimeout(f"pycoll: {text}: ranks {missing} did not join within "
                                     f"{timeout:g} s (PYCOLL_TIMEOUT); they skipped this "
                                     "collective, are stuck elsewhere, or died")
-
-
-def _poll(requests, timeout: float, stall) -> List[int]:
-    """Wait for ``requests`` until ``timeout``; the indices of those still pending.
-    ``stall`` = (seconds, callback(pending indices)) fires once, if given."""
-    pending = list(range(len(requests)))
-    start = time.monotonic()
-
-    def test():
-        nonlocal stall
-        pending[:] = [i for i in pending if not requests[i].Test()]
-        if not pending:
-            return True
-        if stall is not None and time.monotonic() - start >= stall[0]:
-            stall, fire = None, stall[1]
-            fire(pending)
-        return None
-    try:
-        poll(test, start + timeout, lambda: "")
-    except CollectiveTimeout:
-        return pending
-    return []

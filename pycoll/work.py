@@ -1,7 +1,7 @@
 """The handle of an operation that may still be running."""
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 from . import config
 
@@ -97,3 +97,25 @@ def poll(test: Callable[[], Any], deadline: float, late: Callable[[], str]) -> A
             raise CollectiveTimeout(late())
         time.sleep(delay)
         delay = min(max(2 * delay, 1e-5), 1e-3)
+
+
+def wait_requests(requests, timeout: float, stall=None) -> List[int]:
+    """Wait for MPI ``requests`` at most ``timeout`` s (``poll``'s sleeps); the indices of
+    those still pending. ``stall`` = (seconds, callback(pending indices)) fires once."""
+    pending = list(range(len(requests)))
+    start = time.monotonic()
+
+    def test():
+        nonlocal stall
+        pending[:] = [i for i in pending if not requests[i].Test()]
+        if not pending:
+            return True
+        if stall is not None and time.monotonic() - start >= stall[0]:
+            stall, fire = None, stall[1]
+            fire(pending)
+        return None
+    try:
+        poll(test, start + timeout, lambda: "")
+    except CollectiveTimeout:
+        return pending
+    return []

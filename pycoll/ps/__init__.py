@@ -107,7 +107,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     """
     from mpi4py import MPI
     from .. import runtime
-    from ..inspector import _poll
+    from ..work import wait_requests
     from ..work import CollectiveTimeout
     from .server import Server
     from .worker import Client
@@ -128,7 +128,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     # Dup and Split block until every rank comes: a bounded barrier first (a collective,
     # so it never meets the user's messages on ``comm``).
     arrived = comm.Ibarrier()
-    if _poll([arrived], timeout, None):
+    if wait_requests([arrived], timeout, None):
         _LEFT.append(arrived)
         raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
                                 f"init within {timeout:g} s; a rank may have died, hung or "
@@ -342,8 +342,8 @@ def _farewell(client) -> None:
         client._next_id += 1
         header = wire.encode(wire.DONE, 0, client._next_id)
         sends.append((client.comm.Isend([header, MPI.BYTE], rank, wire.REQUEST), header))
-    from ..inspector import _poll
-    _poll([r for r, _ in sends], client.timeout, None)
+    from ..work import wait_requests
+    wait_requests([r for r, _ in sends], client.timeout, None)
 
 
 def _short(names) -> str:

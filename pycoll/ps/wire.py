@@ -237,7 +237,7 @@ def exchange(comm, data: bytes, what: str, who: str, timeout: float) -> List[byt
     polled until ``timeout``, so a rank that never joins is named (as ``who`` N) instead
     of hanging everyone; nothing is pickled. Also the barrier of ``pycoll.ps``."""
     from mpi4py import MPI
-    from ..inspector import _poll
+    from ..work import wait_requests
     from ..work import CollectiveTimeout
     mine = np.frombuffer(data, np.uint8)
     sends = [comm.Isend([mine, MPI.BYTE], r, EXCHANGE) for r in range(comm.size)
@@ -259,7 +259,7 @@ def exchange(comm, data: bytes, what: str, who: str, timeout: float) -> List[byt
                                     "sets the limit)")
         if len(got) < comm.size:
             nap(waited, 20e-6, 1e-2)
-    if _poll(sends, timeout, None):
+    if wait_requests(sends, timeout, None):
         _LEFT.append((sends, mine))
         raise CollectiveTimeout(f"pycoll.ps: {what}: a {who} did not take this rank's message "
                                 f"within {timeout:g} s")

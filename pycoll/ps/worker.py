@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C
-from ..inspector import _poll
+from ..work import wait_requests
 from ..tensors import as_buffer
 from ..work import CollectiveTimeout, Work
 from . import wire
@@ -393,7 +393,7 @@ class Client:
                     request.Cancel()
             pending += requests
             self.slots.lose(part.slot)       # a late answer may still come on its tags
-        if pending and _poll(pending, CANCEL_GRACE_S, None):
+        if pending and wait_requests(pending, CANCEL_GRACE_S, None):
             self._zombies.append((pending, op.keep, op.parts))
 
     def _bury(self) -> None:

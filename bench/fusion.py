@@ -22,6 +22,8 @@ Implementations, per pass over a case's tensors:
   pycoll             allreduce_async_(t, Sum) on every tensor, then wait on every Work: the
                      engine fuses them (PYCOLL_FUSION_THRESHOLD) and runs them on its thread
   pycoll-grouped     grouped_allreduce_(tensors, Sum): the same fusion, in one call
+  pycoll-grouped-new grouped_allreduce(tensors, Sum): the same, the results a new list
+                     (views of one new buffer)
   mpi4py-concat      ONE Allreduce(IN_PLACE) of a buffer holding all the bytes: the floor
   mpi4py-per-tensor  one Allreduce(IN_PLACE) per tensor
   gloo-per-tensor    dist.all_reduce(t, async_op=True) on every tensor, then wait on all
@@ -118,7 +120,7 @@ RESNET50_PARAMS = 25_557_032
 assert len(RESNET50_SHAPES) == 161, len(RESNET50_SHAPES)
 assert sum(math.prod(s) for s in RESNET50_SHAPES) == RESNET50_PARAMS
 
-IMPLS = ("pycoll", "pycoll-grouped", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor",
+IMPLS = ("pycoll", "pycoll-grouped", "pycoll-grouped-new", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor",
          "gloo-concat")
 torch = dist = None                              # set in main() by setup_gloo()
 
@@ -146,6 +148,9 @@ class Case:
     def pycoll_grouped(self, op=None):
         pycoll.grouped_allreduce_(self.tensors, op=op or pycoll.Sum)
 
+    def pycoll_grouped_new(self, op=None):
+        return pycoll.grouped_allreduce(self.tensors, op=op or pycoll.Sum)
+
     def fns(self, impls) -> dict:
         def mpi_concat():
             comm.Allreduce(MPI.IN_PLACE, self.flat, op=MPI.SUM)
@@ -162,6 +167,7 @@ class Case:
         def gloo_concat():
             dist.all_reduce(self.tflat)
         every = {"pycoll": self.pycoll, "pycoll-grouped": self.pycoll_grouped,
+                 "pycoll-grouped-new": self.pycoll_grouped_new,
                  "mpi4py-concat": mpi_concat,
                  "mpi4py-per-tensor": mpi_per_tensor, "gloo-per-tensor": gloo_per_tensor,
                  "gloo-concat": gloo_concat}
@@ -190,11 +196,11 @@ def check(case: Case) -> bool:
     zeros again after."""
     n, ok = comm.size, True
     for op, fused in itertools.product((pycoll.Sum, pycoll.Average),
-                                       (case.pycoll, case.pycoll_grouped)):
+                                       (case.pycoll, case.pycoll_grouped, case.pycoll_grouped_new)):
         for i, a in enumerate(case.arrays):
             a[...] = pattern(comm.rank, len(a), np.float32) + i % 7
-        fused(op)
-        for i, a in enumerate(case.arrays):
+        results = fused(op) or case.arrays          # the new list, or the tensors in place
+        for i, a in enumerate(np.asarray(r) for r in results):
             want = sum(pattern(r, len(a), np.float64) for r in range(n)) + n * (i % 7)
             if op is pycoll.Average:
                 want = want / n
@@ -271,6 +277,8 @@ def bench_case(case: Case, impls, args, rows) -> dict:
     r = {"pycoll/mpi4py-concat": ratio(t, "pycoll", "mpi4py-concat"),
          "mpi4py-per-tensor/pycoll": ratio(t, "mpi4py-per-tensor", "pycoll"),
          "mpi4py-per-tensor/pycoll-grouped": ratio(t, "mpi4py-per-tensor", "pycoll-grouped"),
+         "pycoll-grouped/mpi4py-concat": ratio(t, "pycoll-grouped", "mpi4py-concat"),
+         "pycoll-grouped-new/mpi4py-concat": ratio(t, "pycoll-grouped-new", "mpi4py-concat"),
          "gloo-per-tensor/pycoll": ratio(t, "gloo-per-tensor", "pycoll"),
          "gloo-concat/pycoll": ratio(t, "gloo-concat", "pycoll")}
     if comm.rank == 0:

@@ -259,7 +259,9 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
     """Tensors ``which`` of ``many`` seen as one stream of bytes, reduced through the
     engine's staging buffer a piece of PYCOLL_CHUNK_BYTES at a time: pack, one MPI
     Allreduce, unpack (+ Average's scale). Each piece stays in cache from pack to unpack,
-    and the buffer is one piece long. GPU memory: ``_reduce_from_gpu``."""
+    and the buffer is one piece long. Destinations that lie back to back (the results of
+    ``grouped_allreduce``, views of one bucket) are their own staging buffer: no unpack,
+    and no pack either when they are the sources. GPU memory: ``_reduce_from_gpu``."""
     if len(which) == len(many.sizes):
         srcs, dsts, sizes = many.srcs, many.dsts, many.sizes
     else:
@@ -272,11 +274,19 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
     if many.device != "cpu":
         _reduce_from_gpu(many, srcs, dsts, sizes, pieces, reduction, scale)
         return
+    contiguous = all(d + n == e for d, n, e in zip(dsts, sizes, dsts[1:]))
+    packed = contiguous and srcs == dsts         # views of one buffer, reduced in place
     for begin, nbytes in pieces:
-        end, piece = begin + nbytes, engine.fusion_buffer(nbytes).ctypes.data
-        _C.pack(piece, srcs, sizes, begin, end)
+        end = begin + nbytes
+        piece = dsts[0] + begin if contiguous else engine.fusion_buffer(nbytes).ctypes.data
+        if not packed:
+            _C.pack(piece, srcs, sizes, begin, end)
         grp.comm.Allreduce(MPI.IN_PLACE, message(piece, nbytes, dtype), reduction)
-        _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
+        if contiguous:
+            if scale != 1.0:
+                _C.scale(piece, nbytes // itemsize, dtype, scale)
+        else:
+            _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
 
 
 def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, reduction, scale: float) -> None:
@@ -376,16 +386,21 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
     xs = list(xs)
     # Many small CPU tensors are read in one pass, not one as_buffer each: per tensor,
     # that is most of the cost (bench/fusion.py's 1,000 x 4 KiB case).
-    host = tensors.host_pointers(xs) if inplace and not config.get("check") else None
+    host = tensors.host_pointers(xs) if not config.get("check") else None
     if host is not None:
         ptrs, sizes, dtype = host
         check_reduction(op, dtype)
-        many = _Many(ptrs, ptrs, sizes, dtype, "cpu", op, grp,
-                     lambda i: _planned_item(xs[i], op, grp, f"{name}[{i}]", True))
+        if inplace:
+            outs, dsts = xs, ptrs
+        else:                           # the results: views of one new buffer
+            outs, base = tensors.views_like(xs, sizes)
+            dsts = list(itertools.accumulate(sizes[:-1], initial=base))
+        many = _Many(ptrs, dsts, sizes, dtype, "cpu", op, grp, lambda i: _Allreduce(
+            as_buffer(xs[i]), as_buffer(outs[i], writable=True), outs[i], op, grp, f"{name}[{i}]"))
 
         def run_host():
             _allreduce_many(many)
-            return list(xs)
+            return list(outs)
         return name, run_host
     items = [_planned_item(x, op, grp, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
     _same_kind([it.src for it in items])

@@ -69,7 +69,7 @@ class Engine:
         threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
         self._ready: collections.deque = collections.deque()
         self._open: Optional[_Batch] = None       # fusable batch still taking items
-        self._thread_id: Optional[int] = None     # the engine thread's, once started
+        self._thread: Optional[threading.Thread] = None     # the engine's, once started
         self._runner: Optional[int] = None        # the thread running a batch now
         self._stopped = False
         self._fusion = {False: np.empty(0, np.uint8), True: np.empty(0, np.uint8)}   # by pinned
@@ -164,13 +164,16 @@ class Engine:
         return True
 
     def stop(self, timeout: float) -> bool:
-        """``drain``, then end the engine's thread; False if something still ran at the
-        deadline (the thread may then be inside MPI)."""
+        """``drain``, then end the engine's thread and wait until it has: a thread still
+        running at interpreter exit dies as it frees its last tensors. False if something
+        still ran at the deadline (the thread may then be inside MPI)."""
         if not self.drain(timeout):
             return False
         with self._lock:
             self._stopped = True
             self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
         return True
 
     def fusion_buffer(self, nbytes: int, device: Optional[int] = None) -> np.ndarray:
@@ -197,10 +200,9 @@ class Engine:
             self._wake()
 
     def _wake(self) -> None:
-        if self._thread_id is None:
-            thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
-            thread.start()
-            self._thread_id = thread.ident
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="pycoll-engine", daemon=True)
+            self._thread.start()
         self._cv.notify_all()
 
     def _close_if_cycle_over(self) -> Optional[float]:

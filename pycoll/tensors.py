@@ -6,6 +6,7 @@ tests). Nothing is copied: a ``Buffer`` points into the caller's memory and keep
 the owner alive.
 """
 import ctypes
+import itertools
 import math
 import sys
 import weakref
@@ -234,6 +235,21 @@ def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
     if reader is None or any(type(x) is not kind for x in xs):
         return None
     return reader(xs)
+
+
+def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
+    """One new buffer of ``sum(sizes)`` bytes, of the kind and dtype of ``xs`` (host
+    tensors that ``host_pointers`` read), seen as one view shaped like each ``x``; the
+    views and the buffer's address."""
+    first = as_array(xs[0])
+    flat = empty_like(first, (sum(sizes) // first.itemsize if hasattr(first, "itemsize")
+                              else sum(sizes) // first.element_size(),))
+    if hasattr(flat, "split"):                                     # torch: one C call
+        parts = flat.split([x.numel() for x in xs])
+        return [p if x.dim() == 1 else p.view(x.shape) for p, x in zip(parts, xs)], \
+            flat.data_ptr()
+    ends = list(itertools.accumulate(x.size for x in xs))
+    return [flat[e - x.size:e].reshape(x.shape) for x, e in zip(xs, ends)], flat.ctypes.data
 
 
 def _numpy_host_pointers(arrays) -> Optional[tuple]:

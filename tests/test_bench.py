@@ -121,6 +121,7 @@ def test_fusion_output(fusion_run):
         assert f"# best {knob}: " in stdout
     assert "pycoll/mpi4py-concat" in stdout and "mpi4py-per-tensor/pycoll" in stdout
     assert "mpi4py-per-tensor/pycoll-grouped" in stdout
+    assert "pycoll-grouped-new/mpi4py-concat" in stdout
     assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
 
 
@@ -132,8 +133,8 @@ def test_fusion_json(fusion_run):
     assert all(m["peak_rss_mib"] > 0 for m in meta["memory"])
     main = {(r["case"], r["impl"]) for r in rows if r["section"] == "main"}
     assert main == {(c, i) for c in ("resnet50", "small", "large")
-                    for i in ("pycoll", "pycoll-grouped", "mpi4py-concat", "mpi4py-per-tensor",
-                              "gloo-per-tensor", "gloo-concat")}
+                    for i in ("pycoll", "pycoll-grouped", "pycoll-grouped-new", "mpi4py-concat",
+                              "mpi4py-per-tensor", "gloo-per-tensor", "gloo-concat")}
     for r in rows:
         assert r["time_us"] > 0 and r["bytes"] > 0
     resnet = next(r for r in rows if r["case"] == "resnet50")

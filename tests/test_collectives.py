@@ -207,6 +207,26 @@ def test_grouped_allreduce_read_in_one_pass(settings, group, kind, op, monkeypat
         assert_matches(x, expected_reduce("float32", (n,), size, op), "float32")
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["Sum", "Average"])
+def test_grouped_allreduce_results_are_views_of_one_new_buffer(settings, group, kind, op):
+    """The new-list form read in one pass: results shaped like the inputs, in one new
+    buffer (reduced there, no unpack), the inputs untouched; tensors of 256 KiB or more
+    travel alone into their view."""
+    arg, rank, size = group
+    settings(check=False, fusion_threshold=3000)
+    shapes = [(5, 3), (700,), (1,), (2, 0), (300, 250), (4, 1, 2)]
+    xs = [make(rank_input("float32", s, rank, op), "float32", kind) for s in shapes]
+    before = [to_numpy(x).copy() for x in xs]
+    ys = pycoll.grouped_allreduce(xs, op=getattr(pycoll, op), group=arg)
+    for x, y, s, b in zip(xs, ys, shapes, before):
+        assert type(y) is type(x) and tuple(y.shape) == s
+        assert_matches(y, expected_reduce("float32", s, size, op), "float32")
+        np.testing.assert_array_equal(to_numpy(x), b)
+    owner = (lambda y: y.untyped_storage().data_ptr()) if kind == "torch" else (lambda y: id(y.base))
+    assert len({owner(y) for y in ys}) == 1
+
+
 def test_one_pass_reader_refuses_what_it_cannot_read(monkeypatch):
     monkeypatch.setattr(tensors, "_TORCH_DTYPES", {})     # as in a process's first call
     assert tensors.host_pointers([torch.zeros(2), torch.zeros(3)]) is not None

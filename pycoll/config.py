@@ -131,12 +131,10 @@ def _changed() -> None:
 
 
 def configure(**kwargs) -> None:
-    """Override knobs for this process (what ``pycoll.init(**kwargs)`` calls)."""
-    _from_environment.clear()
-    try:
-        _set(kwargs)
-    finally:
-        _changed()
+    """Override knobs for this process (what ``pycoll.init(**kwargs)`` calls); on a bad
+    value nothing changes."""
+    _set(kwargs)
+    reload()
 
 
 @contextmanager
@@ -154,15 +152,18 @@ def overriding(**kwargs):
 
 
 def _set(kwargs: dict) -> None:
+    """All of ``kwargs`` into the overrides, or none of them (a ValueError or TypeError)."""
+    parsed = {}
     for name, value in kwargs.items():
         if name not in KNOBS:
             raise TypeError(f"unknown pycoll option {name!r}; known: {', '.join(KNOBS)}")
         knob = KNOBS[name]
         try:
             # Text and numbers go through the knob's parser, which checks the range.
-            _overrides[name] = knob.parse(value) if isinstance(value, (str, int, float)) else value
+            parsed[name] = knob.parse(value) if isinstance(value, (str, int, float)) else value
         except ValueError as err:
             raise ValueError(f"pycoll option {name}={value!r}: {err}") from None
+    _overrides.update(parsed)
 
 
 def reload() -> None:

@@ -1,0 +1,903 @@
+"""Cluster emulation on one machine: links with latency and bandwidth (``--link``).
+
+    pycollrun -np 4 --link 50us,1.25GB/s python train.py       # or PYCOLL_LINK, init(link=)
+    pycollrun -np 4 --link 50us,1.25GB/s,3:1ms,125MB/s ...     # rank 3 has a slower NIC
+
+Here MPI moves bytes through shared memory at memory speed. With a link set, every
+transfer pycoll makes takes at least the time the alpha-beta model gives it: the real
+transfer runs first, then the caller sleeps (no CPU burned) until the modelled time has
+passed, so overlap of communication with compute shows as it would on a network.
+
+- Collectives cost the standard alpha-beta time of their algorithm (``collective_time``),
+  paced by the group's slowest link; every member computes the same start (the latest
+  arrival) and cost, from one small Allgather after the real collective, so the members
+  leave together.
+- Point-to-point messages (partial all-reduce's ring, the parameter server, torch
+  send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
+  for egress and one for ingress: a message occupies its sender's egress and its
+  receiver's ingress from the moment both are free, so N senders into one receiver share
+  its bandwidth (incast). A communicator gets this by ``p2p(comm)``, a subclass whose
+  send and receive calls book the NICs and hold their requests (MPI generalized
+  requests) until the modelled times. NIC state lives in a shared-memory file under a
+  lock; each receiver learns a message's arrival time from a record its sender writes to
+  the receiver's FIFO before posting the message.
+
+Without a link none of this runs: ``p2p`` returns the communicator itself and the
+collectives' hooks read one knob.
+"""
+import atexit
+import collections
+import ctypes
+import errno
+import fcntl
+import functools
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import mmap
+import numbers
+import os
+import re
+import select
+import struct
+import tempfile
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+from . import config
+
+log = logging.getLogger("pycoll")
+
+# ---------------------------------------------------------------- parsing
+
+_LATENCY = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+           "Ki": 2.0 ** 10, "Mi": 2.0 ** 20, "Gi": 2.0 ** 30, "Ti": 2.0 ** 40}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(\S*)\s*$")
+
+
+def parse_latency(text: str) -> float:
+    """``"50us"`` -> 5e-05 seconds (ns, us, ms, s; a bare 0 is allowed)."""
+    match = _QUANTITY.match(str(text))
+    if match and match.group(2) in _LATENCY:
+        return float(match.group(1)) * _LATENCY[match.group(2)]
+    if match and not match.group(2) and float(match.group(1)) == 0:
+        return 0.0
+    raise ValueError(f"latency {text!r} is not a time like 50us, 1.5ms or 0")
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"1.25GB/s"`` -> 1.25e9 bytes/s. B is bytes, b or bit is bits; K, M, G, T are
+    powers of 1000, Ki, Mi, Gi of 1024: ``10Gb/s`` = ``10Gbit/s`` = ``1.25GB/s``."""
+    match = _QUANTITY.match(str(text))
+    unit = match.group(2) if match else ""
+    for suffix, per in (("B/s", 1.0), ("bit/s", 0.125), ("b/s", 0.125), ("bps", 0.125)):
+        if unit.endswith(suffix) and unit[:-len(suffix)] in _PREFIX:
+            value = float(match.group(1)) * _PREFIX[unit[:-len(suffix)]] * per
+            if value > 0:
+                return value
+    raise ValueError(f"bandwidth {text!r} is not a positive rate like 1.25GB/s, 10Gb/s "
+                     "or 100MiB/s")
+
+
+class Links(dict):
+    """The parsed ``link`` knob: ``{rank: (latency s, bandwidth B/s)}`` for the ranks given
+    their own link, and ``default`` for the others (None: an ideal link, no cost)."""
+
+    def __init__(self, default: Optional[Tuple[float, float]] = None, ranks=()):
+        super().__init__(ranks)
+        self.default = default
+
+    def of(self, rank: int) -> Tuple[float, float]:
+        """(latency, bandwidth) of ``rank``'s link."""
+        return self.get(rank, self.default or (0.0, math.inf))
+
+    def __bool__(self) -> bool:          # a link of rank 3 alone still emulates
+        return self.default is not None or len(self) > 0
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Links) and dict.__eq__(self, other)
+                and self.default == other.default)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        def one(link):
+            return f"{link[0] * 1e6:g}us,{link[1] / 1e6:g}MB/s"
+        parts = ([one(self.default)] if self.default else []) + [
+            f"{rank}:{one(link)}" for rank, link in sorted(self.items())]
+        return f"Links({','.join(parts)!r})"
+
+
+def parse_link(text) -> Optional[Links]:
+    """``"50us,1.25GB/s"`` -> every rank's link; ``"3:1ms,125MB/s"`` -> rank 3's; several
+    entries comma-separated, e.g. ``"50us,1.25GB/s,3:1ms,125MB/s"``. ``""``, ``"0"``,
+    ``"off"`` or ``"none"``: no emulation (None)."""
+    if isinstance(text, Links):
+        return text
+    if isinstance(text, (tuple, list)) and len(text) == 2 and not isinstance(text[0], str):
+        return Links((float(text[0]), float(text[1])))     # init(link=(50e-6, 1.25e9))
+    text = str(text).strip()
+    if text.lower() in ("", "0", "off", "none", "no"):
+        return None
+    tokens = [token.strip() for token in text.split(",")]
+    if len(tokens) % 2 or not all(tokens):
+        raise ValueError(f"link {text!r} is not [RANK:]LATENCY,BANDWIDTH[,...], "
+                         "e.g. 50us,1.25GB/s or 50us,1.25GB/s,3:1ms,125MB/s")
+    links = Links()
+    for latency, bandwidth in zip(tokens[::2], tokens[1::2]):
+        rank, sep, latency = latency.rpartition(":")
+        link = (parse_latency(latency), parse_bandwidth(bandwidth))
+        if not sep:
+            if links.default is not None:
+                raise ValueError(f"link {text!r}: two entries without a rank; name the "
+                                 "rank of the second, e.g. 3:1ms,125MB/s")
+            links.default = link
+            continue
+        try:
+            rank = int(rank)
+        except ValueError:
+            rank = -1
+        if rank < 0:
+            raise ValueError(f"link {text!r}: {rank!r} is not a rank; per-rank entries are "
+                             "RANK:LATENCY,BANDWIDTH, e.g. 3:1ms,125MB/s")
+        links[rank] = link
+    return links
+
+
+# ---------------------------------------------------------------- the model
+
+def transfer_time(nbytes: float, latency: float, bandwidth: float) -> float:
+    """One point-to-point message on an idle link: alpha + bytes / beta."""
+    return latency + nbytes / bandwidth
+
+
+def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth: float) -> float:
+    """The alpha-beta cost of collective ``kind`` over ``n`` ranks. ``nbytes``: the
+    tensor of an allreduce or broadcast, the full result of an allgather, the full input
+    of a reduce-scatter, the most one rank sends in an alltoall.
+
+    ring allreduce 2(n-1)(alpha + B/(n beta)); allgather, reduce-scatter and pairwise
+    alltoall (n-1)(alpha + B/(n beta)); binomial-tree broadcast ceil(log2 n)(alpha + B/beta);
+    barrier ceil(log2 n) alpha."""
+    if n <= 1:
+        return 0.0
+    rounds = math.ceil(math.log2(n))
+    if kind == "allreduce":
+        return 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
+    if kind in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) * (latency + nbytes / (n * bandwidth))
+    if kind == "broadcast":
+        return rounds * (latency + nbytes / bandwidth)
+    if kind == "barrier":
+        return rounds * latency
+    raise ValueError(f"no cost model for collective {kind!r}")
+
+
+def link_of(rank: Optional[int] = None) -> Tuple[float, float]:
+    """(latency, bandwidth) of ``rank``'s (default: this rank's) link; (0, inf) without
+    emulation."""
+    links = config.get("link")
+    if not links:
+        return 0.0, math.inf
+    return parse_link(links).of(_world_rank() if rank is None else rank)
+
+
+# ---------------------------------------------------------------- waiting
+
+# time.sleep wakes 35-90 us late here even with a 1 ns timer slack: the last stretch
+# before a deadline is spent yielding the core instead, so small transfers stay on time.
+SPIN_S = 100e-6
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+
+
+def _precise_timers() -> None:
+    """Ask Linux for wake-ups on time (a 1 ns timer slack, not 50 us) in this thread."""
+    if getattr(_slack, "set", False):
+        return
+    _slack.set = True
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def sleep_until(deadline: float) -> None:
+    """Return at ``deadline`` (time.monotonic()), sleeping until the last SPIN_S."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return
+    _precise_timers()
+    if left > SPIN_S:
+        time.sleep(left - SPIN_S)
+    while time.monotonic() < deadline:
+        time.sleep(0)                    # yields the GIL and the core
+
+
+# ---------------------------------------------------------------- collectives
+
+def _world_rank() -> int:
+    from . import hetero
+    return hetero._rank()
+
+
+def collective(comm, kind: str, nbytes: int, began: float) -> None:
+    """After the real collective ``kind`` on ``comm``, which this rank entered at
+    ``began`` with ``nbytes`` (see ``collective_time``): sleep until the modelled end,
+    the latest member's arrival plus the cost at the slowest member's link."""
+    n = comm.Get_size()
+    if n <= 1:
+        return
+    import numpy as np
+    latency, bandwidth = link_of()
+    mine = np.array([began, latency, 1.0 / bandwidth, float(nbytes)], np.float64)
+    every = np.empty((n, 4), np.float64)
+    comm.Allgather(mine, every)
+    start, latency, slowest = every[:, :3].max(axis=0).tolist()
+    total = float(every[:, 3].sum() if kind == "allgather" else every[:, 3].max())
+    bandwidth = 1.0 / slowest if slowest > 0 else math.inf
+    sleep_until(start + collective_time(kind, n, total, latency, bandwidth))
+
+
+def modelled(kind: str, what):
+    """Decorator of a function that runs one collective ``kind``: with a link set it
+    costs the modelled time. ``what(*args)`` -> (communicator, nbytes)."""
+    def decorate(run):
+        @functools.wraps(run)
+        def emulated(*args):
+            if not config.get("link"):
+                return run(*args)
+            began = time.monotonic()
+            result = run(*args)
+            comm, nbytes = what(*args)
+            collective(comm, kind, nbytes, began)
+            return result
+        return emulated
+    return decorate
+
+
+def timed(kind: str, comm, nbytes: int, run):
+    """``run`` (a collective's thunk), costing the modelled time of ``kind`` when a link
+    is set; ``run`` itself otherwise."""
+    if not config.get("link"):
+        return run
+
+    def emulated():
+        began = time.monotonic()
+        result = run()
+        collective(comm, kind, nbytes, began)
+        return result
+    return emulated
+
+
+# ---------------------------------------------------------------- point to point
+
+_RECORD = struct.Struct("<qiid")        # communicator id, sender's rank in it, tag, arrival
+_RECORDS_PER_READ = 65520 // _RECORD.size
+_POLL_MIN, _POLL_MAX = 20e-6, 1e-3
+# The thread that releases held requests spins less than sleep_until does: it runs once
+# per message, and those who wait on the requests poll with their own delays anyway.
+_PUMP_SPIN_S = 30e-6
+_FALLBACK_S = 0.01
+
+
+def _job_name() -> str:
+    """A name this job's ranks share on this machine, from the launcher's variables."""
+    for name in ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid",
+                 "PMI_KVSNAME", "SLURM_JOB_ID"):
+        value = os.environ.get(name)
+        if value:
+            step = os.environ.get("SLURM_STEP_ID", "") if name == "SLURM_JOB_ID" else ""
+            return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{value}.{step}" if step else value)
+    return f"ppid{os.getppid()}"        # every rank here is a child of one launcher daemon
+
+
+class _Nics:
+    """Each world rank's egress and ingress NIC: when it is next free, in a file in
+    shared memory that every rank on this machine maps. ``reserve`` books a message on
+    both under an exclusive lock (flock between processes, a lock between threads)."""
+
+    _HEADER = 64                # a use count, then padding
+
+    def __init__(self, path: str, size: int):
+        import numpy as np
+        self.path, self.size = path, size
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.threads = threading.Lock()
+        nbytes = self._HEADER + 16 * size
+        self._lock()
+        try:
+            if os.fstat(self.fd).st_size < nbytes:
+                os.ftruncate(self.fd, nbytes)
+            self.map = mmap.mmap(self.fd, nbytes)
+            self.users = np.frombuffer(self.map, np.int64, 1, 0)
+            self.free = np.frombuffer(self.map, np.float64, 2 * size, self._HEADER).reshape(size, 2)
+            self.users[0] += 1
+        finally:
+            self._unlock()
+
+    def _lock(self) -> None:
+        self.threads.acquire()
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def _unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.threads.release()
+
+    def reserve(self, src: int, dst: int, nbytes: int, bandwidth: float) -> float:
+        """Book ``nbytes`` from ``src``'s egress into ``dst``'s ingress, FIFO; when the
+        last byte leaves (the sender's side is done)."""
+        self._lock()
+        try:
+            free = self.free
+            start = max(time.monotonic(), free[src, 0], free[dst, 1])
+            end = start + nbytes / bandwidth
+            free[src, 0] = free[dst, 1] = end
+        finally:
+            self._unlock()
+        return end
+
+    def close(self) -> bool:
+        """Drop this process's use; True for the last user (who removes the file)."""
+        self._lock()
+        try:
+            self.users[0] -= 1
+            last = self.users[0] <= 0
+            if last:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+        finally:
+            self._unlock()
+        return last
+
+
+class _Entry:
+    """A send or receive that a generalized request stands for, until the modelled time."""
+    __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
+                 "cancelled", "keep")
+
+    def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
+        self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
+        self.grequest = None
+        self.source = self.tag = -1
+        self.count = 0
+        self.cancelled = False
+
+
+def _query(status, entry: _Entry) -> None:
+    from mpi4py import MPI
+    status.Set_source(entry.source)
+    status.Set_tag(entry.tag)
+    status.Set_elements(MPI.BYTE, entry.count)
+    status.Set_cancelled(entry.cancelled)
+
+
+def _free(entry: _Entry) -> None:
+    entry.keep = None
+
+
+def _cancel(completed: bool, entry: _Entry) -> None:
+    if not completed:
+        _emulator().cancelled(entry)
+
+
+class _Emulator:
+    """This process's side of point-to-point emulation: the NIC file, its FIFO of
+    arrival records, and the thread that completes generalized requests on time."""
+
+    def __init__(self):
+        from mpi4py import MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("--link emulation of point-to-point messages needs "
+                               "MPI_THREAD_MULTIPLE (mpi4py's default); MPI was initialized "
+                               "with less")
+        world = MPI.COMM_WORLD
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+        if local and int(local) != self.size:
+            raise RuntimeError(f"--link emulates a cluster on one machine, but this job's "
+                               f"{self.size} ranks run on several ({local} here)")
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.dir = os.path.join(base, f"pycoll-link-{os.getuid()}-{_job_name()}")
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.nics = _Nics(os.path.join(self.dir, "nics"), self.size)
+        self.fifo = self._fifo_path(self.rank)
+        try:
+            os.mkfifo(self.fifo, 0o600)
+        except FileExistsError:
+            pass
+        self.records_fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.lock = threading.Lock()
+        self.records: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.new: list = []               # held requests the thread has not seen yet
+        self.cancels: list = []
+        self.sending: list = []           # heap of (done, order, entry): sends to test then
+        self.late_sends: list = []        # due, but MPI has not finished them
+        self.receiving: list = []         # receives MPI has not matched yet
+        self.due: list = []               # heap of (due, order, entry): completed, to release
+        self.statuses: list = []
+        self.order = itertools.count()
+        self.next_wake = 0.0
+        self.peers: Dict[int, Optional[int]] = {}     # world rank -> write end of its FIFO
+        self.closed = False
+        self.fallback = 0.0             # when receives are tested next without a record
+        self.thread = threading.Thread(target=self._loop, name="pycoll-link", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def _fifo_path(self, rank: int) -> str:
+        return os.path.join(self.dir, f"rank-{rank}.fifo")
+
+    # ------------------------------------------------------------ the sender's side
+    def post(self, comm_cid: int, src: int, dst: int, tag: int, nbytes: int,
+             link: Tuple[float, float]) -> float:
+        """Book a message of ``nbytes`` from this rank (``src`` in the communicator) to
+        world rank ``dst`` and tell ``dst`` when it arrives; the time the send is done."""
+        latency, bandwidth = link
+        end = (time.monotonic() if dst == self.rank      # to itself: no NIC, no cost
+               else self.nics.reserve(self.rank, dst, nbytes, bandwidth))
+        fd = self._peer(dst)
+        if fd is not None:
+            try:
+                os.write(fd, _RECORD.pack(comm_cid, src, tag, end + latency))
+            except OSError as err:      # the receiver has exited
+                log.debug("pycoll: no arrival record for rank %d: %s", dst, err)
+                self.peers[dst] = None
+        return end
+
+    def _peer(self, dst: int) -> Optional[int]:
+        if dst in self.peers:
+            return self.peers[dst]
+        deadline = time.monotonic() + 30.0      # the peer makes its FIFO when it starts
+        while True:
+            try:
+                fd = os.open(self._fifo_path(dst), os.O_WRONLY | os.O_NONBLOCK)
+                os.set_blocking(fd, True)
+                break
+            except OSError as err:
+                if err.errno not in (errno.ENOENT, errno.ENXIO) or time.monotonic() > deadline:
+                    log.warning("pycoll: --link cannot reach rank %d's arrival records (%s); "
+                                "its messages from here arrive unpaced", dst, err)
+                    fd = None
+                    break
+                time.sleep(1e-3)
+        self.peers[dst] = fd
+        return fd
+
+    # ------------------------------------------------------------ the receiver's side
+    def _read_records(self) -> None:
+        """Move the records waiting in this rank's FIFO into ``records`` (lock held)."""
+        while True:
+            try:
+                data = os.read(self.records_fd, _RECORDS_PER_READ * _RECORD.size)
+            except BlockingIOError:
+                return
+            for cid, src, tag, arrival in _RECORD.iter_unpack(data):
+                self.records[cid, src, tag].append(arrival)
+            if len(data) < _RECORDS_PER_READ * _RECORD.size:
+                return
+
+    def arrival(self, key: tuple) -> Optional[float]:
+        """When the message that just matched ``key`` = (cid, source, tag) arrives; None
+        for one that was not booked (from this rank itself, or unemulated)."""
+        with self.lock:
+            self._read_records()
+            queue = self.records.get(key)
+            if not queue:
+                return None
+            arrival = queue.popleft()
+            if not queue:
+                del self.records[key]
+            return arrival
+
+    # ------------------------------------------------------------ generalized requests
+    def hold(self, entry: _Entry):
+        """A generalized request that completes once ``entry``'s real request has and its
+        modelled time has come."""
+        from mpi4py import MPI
+        entry.grequest = grequest = MPI.Grequest.Start(_query, _free, _cancel, args=(entry,))
+        with self.lock:
+            self.new.append(entry)
+            wake = (entry.due if entry.send else time.monotonic() + _FALLBACK_S) < self.next_wake
+        if wake:            # a receive's record brings a wake-up: this one is for the fallback
+            self.wake()
+        return grequest                 # (the thread drops entry.grequest once complete)
+
+    def cancelled(self, entry: _Entry) -> None:
+        with self.lock:
+            self.cancels.append(entry)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"!")
+        except BlockingIOError:
+            pass                        # already pending
+
+    def _loop(self) -> None:
+        """Complete each held request once its real request has completed and its
+        modelled time has come. Sleeps until the next due time or booked arrival, or on
+        the FIFO and the wake-up pipe; polls real requests (backing off to 1 ms) only
+        while one is later than its model."""
+        from mpi4py import MPI
+        _precise_timers()
+        poll = _POLL_MIN
+        while not self.closed:
+            with self.lock:
+                self._read_records()
+                new, self.new = self.new, []
+                cancels, self.cancels = self.cancels, []
+                earliest = min((queue[0] for queue in self.records.values()), default=math.inf)
+            try:
+                for entry in cancels:
+                    self._cancel_real(entry)
+                for entry in new:
+                    if entry.send:
+                        heapq.heappush(self.sending, (entry.due, next(self.order), entry))
+                    else:
+                        self.receiving.append(entry)
+                moved, late = self._step(earliest)
+            except MPI.Exception:
+                if MPI.Is_finalized():
+                    return
+                raise
+            poll = _POLL_MIN if moved else min(2 * poll, _POLL_MAX)
+            now = time.monotonic()
+            wake = min(self.sending[0][0] if self.sending else math.inf,
+                       self.due[0][0] if self.due else math.inf,
+                       min(earliest, self.fallback) if self.receiving else math.inf,
+                       now + poll if late else math.inf)
+            with self.lock:
+                self.next_wake = wake
+                if self.new or self.cancels:
+                    continue
+            wait = wake - now
+            if wait <= _PUMP_SPIN_S:
+                time.sleep(0)
+                wait = 0.0
+            else:
+                wait = None if wait == math.inf else wait - _PUMP_SPIN_S
+            ready, _, _ = select.select([self.wake_r, self.records_fd], [], [], wait)
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+
+    def _step(self, earliest: float):
+        """Advance the held requests: (whether any completed, whether a real request is
+        later than its model). ``earliest``: the first arrival booked for this rank that
+        no receive has taken yet."""
+        from mpi4py import MPI
+        moved, late, now = False, False, time.monotonic()
+        # A receive can only have completed once its message's record came: the sender
+        # writes it first. So receives are tested when a booked arrival is due, and
+        # every FALLBACK_S in case a message came unbooked (its sender lost the FIFO).
+        receiving = self.receiving
+        if receiving and (earliest <= now or now >= self.fallback):
+            self.fallback = now + _FALLBACK_S
+            while len(self.statuses) < len(receiving):
+                self.statuses.append(MPI.Status())
+            done = MPI.Request.Testsome([e.real for e in receiving], self.statuses) or []
+            for i in done:
+                entry, status = receiving[i], self.statuses[i]
+                entry.real = None
+                entry.source, entry.tag = status.Get_source(), status.Get_tag()
+                entry.count = status.Get_count(MPI.BYTE)
+                entry.cancelled = status.Is_cancelled()
+                entry.due = self.arrival((entry.cid, entry.source, entry.tag))
+                heapq.heappush(self.due, (entry.due or now, next(self.order), entry))
+            if done:
+                self.receiving = receiving = [e for e in receiving if e.real is not None]
+            late = bool(receiving) and earliest <= now
+        while self.sending and self.sending[0][0] <= now:      # sends are tested when due
+            entry = heapq.heappop(self.sending)[2]
+            if entry.real is not None:
+                self.late_sends.append(entry)
+        if self.late_sends:
+            for entry in self.late_sends:
+                if entry.real is not None and entry.real.Test():
+                    entry.real = None
+                    heapq.heappush(self.due, (now, next(self.order), entry))
+            self.late_sends = [e for e in self.late_sends if e.real is not None]
+            late |= bool(self.late_sends)
+        while self.due and self.due[0][0] <= now:
+            entry = heapq.heappop(self.due)[2]
+            if entry.grequest is not None:
+                entry.grequest.Complete()
+                entry.grequest = None
+                moved = True
+        return moved, late
+
+    def _cancel_real(self, entry: _Entry) -> None:
+        """Cancel what the generalized request stands for; it completes at once."""
+        from mpi4py import MPI
+        real, entry.real, status = entry.real, None, MPI.Status()
+        if real is not None:
+            if not real.Test(status):
+                real.Cancel()
+                real.Wait(status)
+            entry.cancelled = status.Is_cancelled()
+            if not entry.send and not entry.cancelled:
+                entry.source, entry.tag = status.Get_source(), status.Get_tag()
+                entry.count = status.Get_count(MPI.BYTE)
+                self.arrival((entry.cid, entry.source, entry.tag))     # drop its record
+        if entry in self.receiving:
+            self.receiving.remove(entry)
+        if entry.grequest is not None:
+            entry.grequest.Complete()
+            entry.grequest = None
+
+    def close(self) -> None:
+        """At exit (before MPI is finalized): stop the thread, remove this rank's FIFO,
+        and the directory with the last rank."""
+        if self.closed:
+            return
+        self.closed = True
+        self.wake()
+        if self.thread.is_alive():
+            self.thread.join(timeout=1.0)
+        for fd in [fd for fd in self.peers.values() if fd is not None]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.fifo)
+        except OSError:
+            pass
+        if self.nics.close():
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass            # another rank's FIFO is still there: its owner removes it
+
+
+_the_emulator: Optional[_Emulator] = None
+_emulator_lock = threading.Lock()
+
+
+def _emulator() -> _Emulator:
+    global _the_emulator
+    with _emulator_lock:
+        if _the_emulator is None:
+            _the_emulator = _Emulator()
+        return _the_emulator
+
+
+def _message_bytes(buf) -> int:
+    """The bytes an mpi4py message spec (``buf``, ``[buf, type]``, ``[buf, count, type]``)
+    sends."""
+    from mpi4py import MPI
+    if isinstance(buf, (list, tuple)):
+        if len(buf) >= 3 and isinstance(buf[2], MPI.Datatype) and isinstance(buf[1], numbers.Integral):
+            return int(buf[1]) * buf[2].Get_size()
+        buf = buf[0]
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        return 0
+
+
+_created: collections.Counter = collections.Counter()
+
+
+def p2p(comm):
+    """``comm`` whose point-to-point messages are paced by the ``link`` knob (its
+    ``Comm`` subclass), or ``comm`` itself when no link is set. Call it where every
+    member makes the communicator, in the same order (as MPI's own constructors)."""
+    if not config.get("link") or comm is None or isinstance(comm, Comm):
+        return comm
+    return Comm(comm)
+
+
+def _make_comm_class():
+    from mpi4py import MPI
+
+    class _Message:
+        """A matched message (``improbe``/``mprobe``): its receive waits for the
+        modelled arrival."""
+
+        def __init__(self, message, comm, source: int, tag: int):
+            self._message, self._comm, self._key = message, comm, (comm._cid, source, tag)
+
+        def recv(self, status=None):
+            obj = self._message.recv(status)
+            self._comm._arrived(self._key)
+            return obj
+
+        def Recv(self, buf, status=None):
+            self._message.Recv(buf, status)
+            self._comm._arrived(self._key)
+
+        def Irecv(self, buf):
+            return self._comm._hold_receive(self._message.Irecv(buf))
+
+        def irecv(self):
+            return _PickledReceive(self._message.irecv(), self._comm)
+
+    class _PickledReceive:
+        """``comm.irecv()``'s request: ``test()``/``wait()`` give the object once it has
+        arrived in the model."""
+
+        def __init__(self, request, comm):
+            self._request, self._comm = request, comm
+            self._done, self._due, self._value = False, None, None
+
+        def _matched(self, status) -> None:
+            self._done = True
+            self._due = self._comm._emulator.arrival(
+                (self._comm._cid, status.Get_source(), status.Get_tag()))
+
+        def test(self, status=None):
+            if not self._done:
+                own = status if status is not None else MPI.Status()
+                flag, value = self._request.test(own)
+                if not flag:
+                    return False, None
+                self._value = value
+                self._matched(own)
+            if self._due is not None and time.monotonic() < self._due:
+                return False, None
+            return True, self._value
+
+        def wait(self, status=None):
+            if not self._done:
+                own = status if status is not None else MPI.Status()
+                self._value = self._request.wait(own)
+                self._matched(own)
+            if self._due is not None:
+                sleep_until(self._due)
+            return self._value
+
+        def Test(self, status=None):
+            return self.test(status)[0]
+
+        def Wait(self, status=None):
+            self.wait(status)
+
+        def cancel(self):
+            self._request.Cancel()
+
+        Cancel = cancel
+
+    class EmulatedComm(MPI.Intracomm):
+        """An intracommunicator whose sends book the NICs of the ``link`` model and
+        whose sends and receives complete at the modelled times (``p2p``).
+
+        Emulated: Send, Isend, send, isend, Recv, Irecv, recv, irecv, and receives of
+        the messages that improbe/Improbe/mprobe/Mprobe match. Other calls (Ssend,
+        Sendrecv, collectives on it) pass through unpaced. A message to this rank itself
+        is free."""
+
+        def __init__(self, comm):               # mpi4py's __new__ took comm's handle
+            self._emulator = _emulator()
+            group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+            try:
+                self._world = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                        world)
+            finally:
+                group.Free()
+                world.Free()
+            self._me = comm.Get_rank()
+            members = tuple(self._world)
+            _created[members] += 1       # the n-th communicator of these ranks: same everywhere
+            digest = hashlib.blake2b(repr((members, _created[members])).encode(), digest_size=8)
+            self._cid = int.from_bytes(digest.digest(), "little") >> 1
+            self._links = parse_link(config.get("link"))
+
+        # ------------------------------------------------------------ sending
+        def _book(self, dest: int, tag: int, nbytes: int) -> Optional[float]:
+            if dest < 0:                    # PROC_NULL
+                return None
+            peer = self._world[dest]
+            if dest == self._me:            # free, but booked so its receive is found
+                self._emulator.post(self._cid, self._me, peer, tag, 0, (0.0, math.inf))
+                return None
+            (lat_me, bw_me), (lat_peer, bw_peer) = self._links.of(self._emulator.rank), \
+                self._links.of(peer)
+            link = (max(lat_me, lat_peer), min(bw_me, bw_peer))
+            return self._emulator.post(self._cid, self._me, peer, tag, nbytes, link)
+
+        def Send(self, buf, dest, tag=0):
+            done = self._book(dest, tag, _message_bytes(buf))
+            super().Send(buf, dest, tag)
+            if done is not None:
+                sleep_until(done)
+
+        def send(self, obj, dest, tag=0):
+            self.Send([MPI.pickle.dumps(obj), MPI.BYTE], dest, tag)
+
+        def Isend(self, buf, dest, tag=0):
+            done = self._book(dest, tag, _message_bytes(buf))
+            real = super().Isend(buf, dest, tag)
+            if done is None:
+                return real
+            return self._emulator.hold(_Entry(real, True, done))
+
+        def isend(self, obj, dest, tag=0):
+            data = MPI.pickle.dumps(obj)
+            done = self._book(dest, tag, len(data))
+            real = super().Isend([data, MPI.BYTE], dest, tag)
+            if done is None:
+                return real
+            return self._emulator.hold(_Entry(real, True, done, keep=data))
+
+        # ------------------------------------------------------------ receiving
+        def _arrived(self, key: tuple) -> None:
+            due = self._emulator.arrival(key)
+            if due is not None:
+                sleep_until(due)
+
+        def _hold_receive(self, real):
+            return self._emulator.hold(_Entry(real, False, cid=self._cid))
+
+        def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            own = status if status is not None else MPI.Status()
+            super().Recv(buf, source, tag, own)
+            self._arrived((self._cid, own.Get_source(), own.Get_tag()))
+
+        def recv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            own = status if status is not None else MPI.Status()
+            obj = super().recv(buf, source, tag, own)
+            self._arrived((self._cid, own.Get_source(), own.Get_tag()))
+            return obj
+
+        def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+            return self._hold_receive(super().Irecv(buf, source, tag))
+
+        def irecv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+            return _PickledReceive(super().irecv(buf, source, tag), self)
+
+        def _matched(self, message, status):
+            if message is None:
+                return None
+            return _Message(message, self, status.Get_source(), status.Get_tag())
+
+        def improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().improbe(source, tag, status), status)
+
+        def Improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().Improbe(source, tag, status), status)
+
+        def mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().mprobe(source, tag, status), status)
+
+        def Mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().Mprobe(source, tag, status), status)
+
+    return EmulatedComm
+
+
+class _LazyComm(type):
+    """``Comm``: the emulating communicator class, made on first use (it subclasses an
+    mpi4py type, and importing mpi4py.MPI starts MPI)."""
+    _cls = None
+
+    def _get(cls):
+        if _LazyComm._cls is None:
+            _LazyComm._cls = _make_comm_class()
+        return _LazyComm._cls
+
+    def __call__(cls, comm):
+        return cls._get()(comm)
+
+    def __instancecheck__(cls, obj):
+        return _LazyComm._cls is not None and isinstance(obj, _LazyComm._cls)
+
+
+class Comm(metaclass=_LazyComm):
+    """The emulating communicator: ``Comm(comm)`` (see ``p2p``)."""

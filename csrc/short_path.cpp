@@ -56,7 +56,7 @@ unsigned long long runs = 0;
 
 struct Names {
     PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *world, *engine, *handle, *ranks,
-        *idle, *queued, *open, *running, *notify, *pop, *append, *check, *chunk_bytes, *allreduce;
+        *idle, *queued, *open, *running, *notify, *pop, *append, *check, *link, *chunk_bytes, *allreduce;
 } s;
 
 }  // namespace
@@ -67,7 +67,7 @@ bool init() {
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.world, "world"},
         {&s.engine, "engine"}, {&s.handle, "handle"}, {&s.ranks, "ranks"}, {&s.idle, "_idle"},
         {&s.queued, "_ready"}, {&s.open, "_open"}, {&s.running, "_running"}, {&s.notify, "_notify"},
-        {&s.pop, "pop"}, {&s.append, "append"}, {&s.check, "check"}, {&s.chunk_bytes, "chunk_bytes"},
+        {&s.pop, "pop"}, {&s.append, "append"}, {&s.check, "check"}, {&s.link, "link"}, {&s.chunk_bytes, "chunk_bytes"},
         {&s.allreduce, "allreduce"},
     };
     for (auto& name : all)
@@ -284,6 +284,9 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!check) return nullptr;
     int checking = PyObject_IsTrue(check);
     if (checking) return checking < 0 ? nullptr : none();  // the ranks compare first
+    PyObject* link = knob(s.link);  // parsed once, like every knob: a dict lookup here
+    if (!link) return nullptr;
+    if (link != Py_None) Py_RETURN_NONE;  // --link: the general path sleeps the modelled time
 
     Host in;
     if (int read = read_host(x, inplace, in)) return read < 0 ? nullptr : none();

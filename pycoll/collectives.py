@@ -16,7 +16,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, runtime, tensors
+from . import _C, config, emulation, runtime, tensors
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
@@ -171,6 +171,7 @@ def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _A
     return _Allreduce(src, as_buffer(out, writable=True), out, op, grp, name)
 
 
+@emulation.modelled("allreduce", lambda item: (item.grp.comm, item.dst.nbytes))
 def _allreduce_one(item: _Allreduce):
     """In MPI's hands directly, no copy, in pieces of PYCOLL_CHUNK_BYTES: each is reduced
     and scaled while it is in cache. CUDA memory without a CUDA-aware MPI is staged."""
@@ -257,6 +258,8 @@ class _Many(NamedTuple):
                    items[0].grp, items.__getitem__, first.device_id, last.ready)
 
 
+@emulation.modelled("allreduce", lambda many, which: (many.grp.comm,
+                                                     sum(many.sizes[i] for i in which)))
 def _allreduce_fused(many: _Many, which: List[int]) -> None:
     """One reduction for tensors ``which`` of ``many``."""
     if config.get("check"):         # before building agree()'s arguments: this is hot
@@ -448,7 +451,7 @@ def _plan_allgather(x, group, name, out=None):
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
         return result
-    return name, run
+    return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
 
 def _output(out, dtype: str, what: str) -> Buffer:
@@ -480,7 +483,7 @@ def _plan_broadcast(x, root, group, name, inplace):
             for offset, nbytes in _pieces(dst.nbytes, 1):
                 grp.comm.Bcast(_msg(d + offset, nbytes), root=root)
         return out
-    return name, run
+    return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
 
 
 def _check_root(root, grp: runtime.Group) -> None:
@@ -524,7 +527,7 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
             if op is Average:
                 _scale(dst, d, dst.count, 1.0 / grp.size())
         return out
-    return name, run
+    return name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
 
 
 def _plan_alltoall(x, splits, group, name):
@@ -566,7 +569,7 @@ def _plan_alltoall(x, splits, group, name):
                 [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
                  _displacements(recv_counts), MPI.BYTE])
         return out, recv_splits
-    return name, run
+    return name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
 
 
 def _plan_barrier(group, name):
@@ -575,7 +578,7 @@ def _plan_barrier(group, name):
     def run():
         grp.agree("barrier", name)
         grp.comm.Barrier()
-    return name, run
+    return name, emulation.timed("barrier", grp.comm, 0, run)
 
 
 # ---------------------------------------------------------------- public API

@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, runtime, tensors
+from . import _C, config, emulation, runtime, tensors
 from .collectives import Average, _check_reduction, _mpi_op, _msg, _reduce_op, _staged
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, Work
@@ -232,7 +232,8 @@ def _plan(x, ranks, op, name, inplace):
         with _staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
             if after and state.uses[members] >= after:
                 comm = _cached_comm(state, members, me, deadline, name)
-                comm.Allreduce(MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, dst.dtype))
+                emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
+                    MPI.IN_PLACE, _msg(d, dst.nbytes, dst.dtype), _mpi_op(op, dst.dtype)))()
                 if op is Average:
                     _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
             else:

@@ -49,7 +49,7 @@ import json
 import sys
 from typing import Optional
 
-from .. import config
+from .. import config, emulation
 from . import wire
 from .layout import plan
 from .optim import SGD
@@ -98,7 +98,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
                          f"--servers {max(1, servers)} ...")
     workers = comm.size - servers
     timeout = float(config.get("timeout"))
-    own = comm.Dup()
+    own = emulation.p2p(comm.Dup())      # --link paces every message on it
     is_worker = own.rank < workers
     workers_comm = own.Split(0 if is_worker else MPI.UNDEFINED, own.rank)
     if not is_worker:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import pycoll
-from pycoll import runtime
+from pycoll import emulation, runtime
 from pycoll.tensors import as_buffer
 
 from . import api
@@ -339,7 +339,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             raise RuntimeError("send/recv on the pycoll backend need MPI_THREAD_MULTIPLE "
                                "(mpi4py's default); MPI was initialized with less")
         if self._p2p_comm is None:
-            self._p2p_comm = runtime.engine().run(self.group.comm.Dup, "torch.p2p_comm")
+            self._p2p_comm = emulation.p2p(runtime.engine().run(self.group.comm.Dup,
+                                                                "torch.p2p_comm"))
         return self._p2p_comm
 
     # ------------------------------------------------------------ checks

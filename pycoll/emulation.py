@@ -428,7 +428,7 @@ class _Emulator:
         self.order = itertools.count()
         self.next_wake = 0.0
         self.peers: Dict[int, Optional[int]] = {}     # world rank -> write end of its FIFO
-        self.closed = False
+        self.closed = self.broken = False
         self.fallback = 0.0             # when receives are tested next without a record
         self.thread = threading.Thread(target=self._loop, name="pycoll-link", daemon=True)
         self.thread.start()
@@ -538,18 +538,24 @@ class _Emulator:
                 cancels, self.cancels = self.cancels, []
                 earliest = min((queue[0] for queue in self.records.values()), default=math.inf)
             try:
-                for entry in cancels:
-                    self._cancel_real(entry)
                 for entry in new:
                     if entry.send:
                         heapq.heappush(self.sending, (entry.due, next(self.order), entry))
                     else:
                         self.receiving.append(entry)
+                for entry in cancels:
+                    self._cancel_real(entry)
                 moved, late = self._step(earliest)
-            except MPI.Exception:
+            except Exception:                                # noqa: BLE001
                 if MPI.Is_finalized():
                     return
-                raise
+                # Never die: a dead thread would leave every held request waiting. From
+                # here on requests complete with their real ones, unpaced.
+                if not self.broken:
+                    log.exception("pycoll: --link emulation failed; messages from now on "
+                                  "are not paced")
+                self.broken, moved, late = True, True, True
+                self._release_all()
             poll = _POLL_MIN if moved else min(2 * poll, _POLL_MAX)
             now = time.monotonic()
             wake = min(self.sending[0][0] if self.sending else math.inf,
@@ -582,6 +588,9 @@ class _Emulator:
         # A receive can only have completed once its message's record came: the sender
         # writes it first. So receives are tested when a booked arrival is due, and
         # every FALLBACK_S in case a message came unbooked (its sender lost the FIFO).
+        if self.broken:
+            self._release_all()
+            return False, bool(self.receiving or self.late_sends or self.sending or self.due)
         receiving = self.receiving
         if receiving and (earliest <= now or now >= self.fallback):
             self.fallback = now + _FALLBACK_S
@@ -617,6 +626,23 @@ class _Emulator:
                 entry.grequest = None
                 moved = True
         return moved, late
+
+    def _release_all(self) -> None:
+        """After a failure: complete every held request whose real one has completed."""
+        for entry in self.receiving + self.late_sends + [e for _, _, e in self.sending + self.due]:
+            try:
+                if entry.grequest is not None and (entry.real is None or entry.real.Test()):
+                    entry.real = None
+                    entry.grequest.Complete()
+                    entry.grequest = None
+            except Exception:                                # noqa: BLE001
+                pass
+        self.receiving = [e for e in self.receiving if e.grequest is not None]
+        self.late_sends = [e for e in self.late_sends if e.grequest is not None]
+        self.sending = [item for item in self.sending if item[2].grequest is not None]
+        self.due = [item for item in self.due if item[2].grequest is not None]
+        heapq.heapify(self.sending)
+        heapq.heapify(self.due)
 
     def _cancel_real(self, entry: _Entry) -> None:
         """Cancel what the generalized request stands for; it completes at once."""

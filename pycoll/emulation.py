@@ -41,6 +41,7 @@ import numbers
 import os
 import re
 import select
+import shutil
 import struct
 import tempfile
 import threading
@@ -404,8 +405,12 @@ class _Emulator:
             raise RuntimeError(f"--link emulates a cluster on one machine, but this job's "
                                f"{self.size} ranks run on several ({local} here)")
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.dir = os.path.join(base, f"pycoll-link-{os.getuid()}-{_job_name()}")
+        prefix = f"pycoll-link-{os.getuid()}-"
+        self.dir = os.path.join(base, prefix + _job_name())
+        _remove_stale(base, prefix, self.dir)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.marker = os.path.join(self.dir, f"pid-{os.getpid()}")
+        open(self.marker, "w").close()            # who uses the directory: see _remove_stale
         self.nics = _Nics(os.path.join(self.dir, "nics"), self.size)
         self.fifo = self._fifo_path(self.rank)
         try:
@@ -677,15 +682,44 @@ class _Emulator:
                 os.close(fd)
             except OSError:
                 pass
-        try:
-            os.unlink(self.fifo)
-        except OSError:
-            pass
+        for path in (self.fifo, self.marker):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         if self.nics.close():
             try:
                 os.rmdir(self.dir)
             except OSError:
                 pass            # another rank's FIFO is still there: its owner removes it
+
+
+def _remove_stale(base: str, prefix: str, mine: str) -> None:
+    """Remove the directories of earlier jobs whose ranks all died without cleaning up
+    (killed, or aborted by MPI): those with no live process among their pid- markers."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        if path == mine:
+            continue
+        try:
+            pids = [int(n[4:]) for n in os.listdir(path) if n.startswith("pid-")]
+        except (OSError, ValueError):
+            continue
+        alive = False
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                pass
+            except OSError:
+                alive = True                       # someone else's: not ours to judge
+        if not alive and pids:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _the_emulator: Optional[_Emulator] = None

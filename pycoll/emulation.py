@@ -14,13 +14,16 @@ passed, so overlap of communication with compute shows as it would on a network.
   leave together.
 - Point-to-point messages (partial all-reduce's ring, the parameter server, torch
   send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
-  for egress and one for ingress: a message occupies its sender's egress and its
-  receiver's ingress from the moment both are free, so N senders into one receiver share
-  its bandwidth (incast). A communicator gets this by ``p2p(comm)``, a subclass whose
-  send and receive calls book the NICs and hold their requests (MPI generalized
-  requests) until the modelled times. NIC state lives in a shared-memory file under a
-  lock; each receiver learns a message's arrival time from a record its sender writes to
-  the receiver's FIFO before posting the message.
+  for egress and one for ingress. A sender puts a message on its egress when it posts
+  it; the receiver takes messages into its ingress in the order it takes them, each no
+  earlier than its sender put it on the wire, so N senders into one receiver share its
+  bandwidth (incast). A receive completes ``alpha`` after its last byte is in; a send
+  when the receiver has taken its last byte (as MPI's rendezvous protocol, and the
+  standard mode's rules, allow), so incast holds senders back too. A communicator gets
+  this by ``p2p(comm)``: a subclass whose sends and receives hold their requests (MPI
+  generalized requests) until the modelled times. Ranks tell each other about messages
+  through one FIFO per rank in /dev/shm: a SENT record before the real message, a TAKEN
+  record back.
 
 Without a link none of this runs: ``p2p`` returns the communicator itself and the
 collectives' hooks read one knob.
@@ -29,14 +32,12 @@ import atexit
 import collections
 import ctypes
 import errno
-import fcntl
 import functools
 import hashlib
 import heapq
 import itertools
 import logging
 import math
-import mmap
 import numbers
 import os
 import re
@@ -277,7 +278,12 @@ def timed(kind: str, comm, nbytes: int, run):
 
 # ---------------------------------------------------------------- point to point
 
-_RECORD = struct.Struct("<qiid")        # communicator id, sender's rank in it, tag, arrival
+# SENT (sender -> receiver): kind, communicator id, sender's rank in it, tag; when the
+# message's first and last byte left the sender's NIC, how long it occupies a NIC (-1:
+# sent to itself), its latency. TAKEN (receiver -> sender): kind, communicator id, the
+# receiver's rank in it, tag, when the receiver had its last byte.
+_RECORD = struct.Struct("<Bqiidddd")
+_SENT, _TAKEN = 0, 1
 _RECORDS_PER_READ = 65520 // _RECORD.size
 _POLL_MIN, _POLL_MAX = 20e-6, 1e-3
 # The thread that releases held requests spins less than sleep_until does: it runs once
@@ -297,78 +303,18 @@ def _job_name() -> str:
     return f"ppid{os.getppid()}"        # every rank here is a child of one launcher daemon
 
 
-class _Nics:
-    """Each world rank's egress and ingress NIC: when it is next free, in a file in
-    shared memory that every rank on this machine maps. ``reserve`` books a message on
-    both under an exclusive lock (flock between processes, a lock between threads)."""
-
-    _HEADER = 64                # a use count, then padding
-
-    def __init__(self, path: str, size: int):
-        import numpy as np
-        self.path, self.size = path, size
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.threads = threading.Lock()
-        nbytes = self._HEADER + 16 * size
-        self._lock()
-        try:
-            if os.fstat(self.fd).st_size < nbytes:
-                os.ftruncate(self.fd, nbytes)
-            self.map = mmap.mmap(self.fd, nbytes)
-            self.users = np.frombuffer(self.map, np.int64, 1, 0)
-            self.free = np.frombuffer(self.map, np.float64, 2 * size, self._HEADER).reshape(size, 2)
-            self.users[0] += 1
-        finally:
-            self._unlock()
-
-    def _lock(self) -> None:
-        self.threads.acquire()
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def _unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.threads.release()
-
-    def reserve(self, src: int, dst: int, nbytes: int, bandwidth: float) -> float:
-        """Book ``nbytes`` from ``src``'s egress into ``dst``'s ingress, FIFO; when the
-        last byte leaves (the sender's side is done)."""
-        self._lock()
-        try:
-            free = self.free
-            start = max(time.monotonic(), free[src, 0], free[dst, 1])
-            end = start + nbytes / bandwidth
-            free[src, 0] = free[dst, 1] = end
-        finally:
-            self._unlock()
-        return end
-
-    def close(self) -> bool:
-        """Drop this process's use; True for the last user (who removes the file)."""
-        self._lock()
-        try:
-            self.users[0] -= 1
-            last = self.users[0] <= 0
-            if last:
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
-        finally:
-            self._unlock()
-        return last
-
-
 class _Entry:
-    """A send or receive that a generalized request stands for, until the modelled time."""
+    """A send or receive whose completion waits for its modelled time: behind a
+    generalized request (Isend, Irecv), or a blocking Send waiting on ``event``."""
     __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
-                 "cancelled", "keep")
+                 "cancelled", "keep", "taken", "event", "queued")
 
     def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
         self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
-        self.grequest = None
+        self.grequest = self.taken = self.event = None
         self.source = self.tag = -1
         self.count = 0
-        self.cancelled = False
+        self.cancelled = self.queued = False
 
 
 def _query(status, entry: _Entry) -> None:
@@ -388,9 +334,68 @@ def _cancel(completed: bool, entry: _Entry) -> None:
         _emulator().cancelled(entry)
 
 
+class _PickledReceive:
+    """``comm.irecv()``'s request. The emulation thread takes the message (so its sender's
+    TAKEN record does not wait for this rank to look); ``test()`` and ``wait()`` give the
+    object once it has arrived in the model."""
+
+    def __init__(self, request, emulator, cid: int):
+        self._request, self._emulator, self._cid = request, emulator, cid
+        self._taken = threading.Event()
+        self._due = self._value = None
+        self._source = self._tag = -1
+        emulator.watch(self)
+
+    def _poll(self, status) -> bool:
+        """In the emulation thread: whether the message has come (then it is taken)."""
+        flag, value = self._request.test(status)
+        if flag:
+            self._value, self._source, self._tag = value, status.Get_source(), status.Get_tag()
+            self._due = self._emulator.arrival((self._cid, self._source, self._tag))
+            self._taken.set()
+        return flag
+
+    def _status(self, status) -> None:
+        if status is not None:
+            status.source, status.tag = self._source, self._tag
+
+    def test(self, status=None):
+        if not self._taken.is_set() or (self._due is not None and time.monotonic() < self._due):
+            return False, None
+        self._status(status)
+        return True, self._value
+
+    def wait(self, status=None):
+        self._taken.wait()
+        if self._due is not None:
+            sleep_until(self._due)
+        self._status(status)
+        return self._value
+
+    def Test(self, status=None) -> bool:
+        return self.test(status)[0]
+
+    def Wait(self, status=None) -> None:
+        self.wait(status)
+
+    def cancel(self) -> None:
+        self._request.Cancel()          # the thread's next test completes it
+
+    Cancel = cancel
+
+
 class _Emulator:
-    """This process's side of point-to-point emulation: the NIC file, its FIFO of
-    arrival records, and the thread that completes generalized requests on time."""
+    """This process's side of point-to-point emulation: its NIC (when its egress and
+    ingress are next free), the FIFO through which other ranks tell it about messages,
+    and the thread that completes the held requests on time.
+
+    A sender puts a message on its egress (FIFO, from when it is posted) and writes a
+    SENT record to the receiver's FIFO before posting the real message. The receiver,
+    when it takes the message, books its ingress (FIFO in the order it takes messages,
+    from when the sender put it on the wire), so the receive completes ``latency`` after
+    the last byte is in, and answers a TAKEN record: the send completes when the
+    receiver has taken its last byte (MPI's standard mode allows a send to wait for its
+    receive). Under incast the senders therefore finish in turn too."""
 
     def __init__(self):
         from mpi4py import MPI
@@ -411,7 +416,6 @@ class _Emulator:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.marker = os.path.join(self.dir, f"pid-{os.getpid()}")
         open(self.marker, "w").close()            # who uses the directory: see _remove_stale
-        self.nics = _Nics(os.path.join(self.dir, "nics"), self.size)
         self.fifo = self._fifo_path(self.rank)
         try:
             os.mkfifo(self.fifo, 0o600)
@@ -421,15 +425,22 @@ class _Emulator:
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
-        self.lock = threading.Lock()
+        self.egress_free = self.ingress_free = 0.0      # when this rank's NIC is next free
+        self.egress_lock = threading.Lock()
+        self.lock = threading.Lock()                    # the rest, between threads
+        self.comms: Dict[int, tuple] = {}               # cid -> (world ranks, this rank's)
         self.records: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.taken: list = []                           # TAKEN records the thread matches
+        self.untaken: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self.new: list = []               # held requests the thread has not seen yet
         self.cancels: list = []
-        self.sending: list = []           # heap of (done, order, entry): sends to test then
+        self.sending: list = []           # heap of (due, order, entry): taken sends to test
         self.late_sends: list = []        # due, but MPI has not finished them
         self.receiving: list = []         # receives MPI has not matched yet
-        self.due: list = []               # heap of (due, order, entry): completed, to release
+        self.pickled: list = []           # comm.irecv()'s, likewise
+        self.due: list = []               # heap of (due, order, entry): done, to release
         self.statuses: list = []
+        self.status = MPI.Status()
         self.order = itertools.count()
         self.next_wake = 0.0
         self.peers: Dict[int, Optional[int]] = {}     # world rank -> write end of its FIFO
@@ -442,22 +453,18 @@ class _Emulator:
     def _fifo_path(self, rank: int) -> str:
         return os.path.join(self.dir, f"rank-{rank}.fifo")
 
-    # ------------------------------------------------------------ the sender's side
-    def post(self, comm_cid: int, src: int, dst: int, tag: int, nbytes: int,
-             link: Tuple[float, float]) -> float:
-        """Book a message of ``nbytes`` from this rank (``src`` in the communicator) to
-        world rank ``dst`` and tell ``dst`` when it arrives; the time the send is done."""
-        latency, bandwidth = link
-        end = (time.monotonic() if dst == self.rank      # to itself: no NIC, no cost
-               else self.nics.reserve(self.rank, dst, nbytes, bandwidth))
+    def _write(self, dst: int, record: bytes) -> bool:
+        """Put ``record`` in world rank ``dst``'s FIFO; False if it cannot be reached."""
         fd = self._peer(dst)
-        if fd is not None:
-            try:
-                os.write(fd, _RECORD.pack(comm_cid, src, tag, end + latency))
-            except OSError as err:      # the receiver has exited
-                log.debug("pycoll: no arrival record for rank %d: %s", dst, err)
-                self.peers[dst] = None
-        return end
+        if fd is None:
+            return False
+        try:
+            os.write(fd, record)
+            return True
+        except OSError as err:          # the peer has exited
+            log.debug("pycoll: --link cannot reach rank %d: %s", dst, err)
+            self.peers[dst] = None
+            return False
 
     def _peer(self, dst: int) -> Optional[int]:
         if dst in self.peers:
@@ -470,41 +477,82 @@ class _Emulator:
                 break
             except OSError as err:
                 if err.errno not in (errno.ENOENT, errno.ENXIO) or time.monotonic() > deadline:
-                    log.warning("pycoll: --link cannot reach rank %d's arrival records (%s); "
-                                "its messages from here arrive unpaced", dst, err)
+                    log.warning("pycoll: --link cannot reach rank %d's FIFO (%s); its "
+                                "messages from here arrive unpaced", dst, err)
                     fd = None
                     break
                 time.sleep(1e-3)
         self.peers[dst] = fd
         return fd
 
+    # ------------------------------------------------------------ the sender's side
+    def post(self, entry: _Entry, cid: int, src: int, dst: int, peer: int, tag: int,
+             nbytes: int, link: Tuple[float, float]) -> None:
+        """Before the real message of ``entry`` is posted: put ``nbytes`` from this rank
+        (``src`` in communicator ``cid``) to ``dst`` (world rank ``peer``) on this rank's
+        egress, tell the receiver, and wait for its TAKEN record (``entry.due``: when the
+        last byte leaves; ``entry.taken``: when the receiver has it, None until then)."""
+        latency, bandwidth = link
+        if peer == self.rank:                    # to itself: no NIC, no cost, no answer
+            entry.due = start = time.monotonic()
+            self._write(peer, _RECORD.pack(_SENT, cid, src, tag, start, start, -1.0, 0.0))
+            entry.taken = start
+            return
+        duration = nbytes / bandwidth
+        with self.egress_lock:
+            start = max(time.monotonic(), self.egress_free)
+            entry.due = self.egress_free = start + duration
+        with self.lock:
+            self.untaken[cid, dst, tag].append(entry)
+        if not self._write(peer, _RECORD.pack(_SENT, cid, src, tag, start, entry.due,
+                                              duration, latency)):
+            with self.lock:
+                self.untaken[cid, dst, tag].remove(entry)
+            entry.taken = entry.due              # unreachable: unpaced beyond its egress
+
     # ------------------------------------------------------------ the receiver's side
     def _read_records(self) -> None:
-        """Move the records waiting in this rank's FIFO into ``records`` (lock held)."""
+        """Move the records waiting in this rank's FIFO into ``records`` and ``taken``
+        (lock held)."""
+        answered = False
         while True:
             try:
                 data = os.read(self.records_fd, _RECORDS_PER_READ * _RECORD.size)
             except BlockingIOError:
-                return
-            for cid, src, tag, arrival in _RECORD.iter_unpack(data):
-                self.records[cid, src, tag].append(arrival)
+                break
+            for kind, cid, rank, tag, *times in _RECORD.iter_unpack(data):
+                if kind == _SENT:
+                    self.records[cid, rank, tag].append(times)
+                else:
+                    self.taken.append(((cid, rank, tag), times[0]))
+                    answered = True
             if len(data) < _RECORDS_PER_READ * _RECORD.size:
-                return
+                break
+        if answered and threading.current_thread() is not self.thread:
+            self.wake()                 # the thread matches TAKEN records with sends
 
     def arrival(self, key: tuple) -> Optional[float]:
-        """When the message that just matched ``key`` = (cid, source, tag) arrives; None
-        for one that was not booked (from this rank itself, or unemulated)."""
+        """When the message that this rank has just taken, from ``key`` = (cid, source,
+        tag), has arrived: it goes through this rank's ingress, FIFO in the order this
+        rank takes messages, from when its sender put it on the wire, and arrives
+        ``latency`` after its last byte. None for a message that was not booked."""
         with self.lock:
             self._read_records()
             queue = self.records.get(key)
             if not queue:
                 return None
-            arrival = queue.popleft()
+            start, end, duration, latency = queue.popleft()
             if not queue:
                 del self.records[key]
-            return arrival
+            if duration < 0:                     # from this rank itself
+                return end
+            start = max(start, self.ingress_free)
+            taken = self.ingress_free = max(start + duration, end)
+            world, me = self.comms[key[0]]
+        self._write(world[key[1]], _RECORD.pack(_TAKEN, key[0], me, key[2], taken, 0, 0, 0))
+        return taken + latency
 
-    # ------------------------------------------------------------ generalized requests
+    # ------------------------------------------------------------ held requests
     def hold(self, entry: _Entry):
         """A generalized request that completes once ``entry``'s real request has and its
         modelled time has come."""
@@ -512,10 +560,30 @@ class _Emulator:
         entry.grequest = grequest = MPI.Grequest.Start(_query, _free, _cancel, args=(entry,))
         with self.lock:
             self.new.append(entry)
-            wake = (entry.due if entry.send else time.monotonic() + _FALLBACK_S) < self.next_wake
-        if wake:            # a receive's record brings a wake-up: this one is for the fallback
+            wake = time.monotonic() + _FALLBACK_S < self.next_wake or (
+                entry.send and entry.taken is not None)
+        if wake:                # otherwise a record (SENT or TAKEN) brings the wake-up
             self.wake()
         return grequest                 # (the thread drops entry.grequest once complete)
+
+    def wait_taken(self, entry: _Entry) -> None:
+        """A blocking send: until the receiver has taken it (at most PYCOLL_TIMEOUT)."""
+        if entry.taken is None:
+            entry.event = threading.Event()
+            with self.lock:
+                known = entry.taken is not None
+            if not known:
+                self.wake()
+                if not entry.event.wait(config.get("timeout")):
+                    log.warning("pycoll: --link: a send was not received within "
+                                "PYCOLL_TIMEOUT; it completes unpaced")
+                    entry.taken = entry.due
+        sleep_until(max(entry.due, entry.taken))
+
+    def watch(self, receive: _PickledReceive) -> None:
+        with self.lock:
+            self.new.append(receive)
+        self.wake()
 
     def cancelled(self, entry: _Entry) -> None:
         with self.lock:
@@ -530,9 +598,9 @@ class _Emulator:
 
     def _loop(self) -> None:
         """Complete each held request once its real request has completed and its
-        modelled time has come. Sleeps until the next due time or booked arrival, or on
-        the FIFO and the wake-up pipe; polls real requests (backing off to 1 ms) only
-        while one is later than its model."""
+        modelled time has come. Sleeps until the next due time, or on the FIFO and the
+        wake-up pipe; polls real requests (backing off to 1 ms) only while one is later
+        than its model."""
         from mpi4py import MPI
         _precise_timers()
         poll = _POLL_MIN
@@ -541,16 +609,31 @@ class _Emulator:
                 self._read_records()
                 new, self.new = self.new, []
                 cancels, self.cancels = self.cancels, []
-                earliest = min((queue[0] for queue in self.records.values()), default=math.inf)
+                taken, self.taken = self.taken, []
+                booked = bool(self.records)      # messages on their way to this rank
+                matched = [(self.untaken[key].popleft(), when) for key, when in taken
+                           if self.untaken.get(key)]
+                for key in [key for key, _ in taken if key in self.untaken and not self.untaken[key]]:
+                    del self.untaken[key]
             try:
                 for entry in new:
-                    if entry.send:
-                        heapq.heappush(self.sending, (entry.due, next(self.order), entry))
-                    else:
+                    if isinstance(entry, _PickledReceive):
+                        self.pickled.append(entry)
+                        continue
+                    entry.queued = True
+                    if not entry.send:
                         self.receiving.append(entry)
+                    elif entry.taken is not None:
+                        self._taken(entry)
+                for entry, when in matched:
+                    entry.taken = when
+                    if entry.event is not None:
+                        entry.event.set()
+                    elif entry.queued:
+                        self._taken(entry)
                 for entry in cancels:
                     self._cancel_real(entry)
-                moved, late = self._step(earliest)
+                moved, late = self._step(booked)
             except Exception:                                # noqa: BLE001
                 if MPI.Is_finalized():
                     return
@@ -565,11 +648,11 @@ class _Emulator:
             now = time.monotonic()
             wake = min(self.sending[0][0] if self.sending else math.inf,
                        self.due[0][0] if self.due else math.inf,
-                       min(earliest, self.fallback) if self.receiving else math.inf,
+                       self.fallback if self.receiving or self.pickled else math.inf,
                        now + poll if late else math.inf)
             with self.lock:
                 self.next_wake = wake
-                if self.new or self.cancels:
+                if self.new or self.cancels or self.taken:
                     continue
             wait = wake - now
             if wait <= _PUMP_SPIN_S:
@@ -584,20 +667,25 @@ class _Emulator:
                 except BlockingIOError:
                     pass
 
-    def _step(self, earliest: float):
+    def _taken(self, entry: _Entry) -> None:
+        """A held send whose receiver has taken it: tested when both its last byte has
+        left and the receiver has it."""
+        heapq.heappush(self.sending, (max(entry.due, entry.taken), next(self.order), entry))
+
+    def _step(self, booked: bool):
         """Advance the held requests: (whether any completed, whether a real request is
-        later than its model). ``earliest``: the first arrival booked for this rank that
-        no receive has taken yet."""
+        later than its model). ``booked``: whether records of messages to this rank wait
+        for their receives."""
         from mpi4py import MPI
         moved, late, now = False, False, time.monotonic()
-        # A receive can only have completed once its message's record came: the sender
-        # writes it first. So receives are tested when a booked arrival is due, and
-        # every FALLBACK_S in case a message came unbooked (its sender lost the FIFO).
         if self.broken:
             self._release_all()
             return False, bool(self.receiving or self.late_sends or self.sending or self.due)
+        # A receive can only have completed once its message's record came: the sender
+        # writes it first. So receives are tested while records wait, and every
+        # FALLBACK_S in case a message came unbooked.
         receiving = self.receiving
-        if receiving and (earliest <= now or now >= self.fallback):
+        if receiving and (booked or now >= self.fallback):
             self.fallback = now + _FALLBACK_S
             while len(self.statuses) < len(receiving):
                 self.statuses.append(MPI.Status())
@@ -612,7 +700,11 @@ class _Emulator:
                 heapq.heappush(self.due, (entry.due or now, next(self.order), entry))
             if done:
                 self.receiving = receiving = [e for e in receiving if e.real is not None]
-            late = bool(receiving) and earliest <= now
+            late = bool(receiving) and booked
+        if self.pickled and (booked or now >= self.fallback):
+            self.fallback = now + _FALLBACK_S
+            self.pickled = [p for p in self.pickled if not p._poll(self.status)]
+            late |= bool(self.pickled) and booked
         while self.sending and self.sending[0][0] <= now:      # sends are tested when due
             entry = heapq.heappop(self.sending)[2]
             if entry.real is not None:
@@ -634,7 +726,15 @@ class _Emulator:
 
     def _release_all(self) -> None:
         """After a failure: complete every held request whose real one has completed."""
-        for entry in self.receiving + self.late_sends + [e for _, _, e in self.sending + self.due]:
+        with self.lock:
+            waiting = [e for queue in self.untaken.values() for e in queue]
+            self.untaken.clear()
+        for entry in waiting:
+            if entry.event is not None:
+                entry.taken = entry.due
+                entry.event.set()
+        for entry in (self.receiving + self.late_sends + waiting
+                      + [e for _, _, e in self.sending + self.due]):
             try:
                 if entry.grequest is not None and (entry.real is None or entry.real.Test()):
                     entry.real = None
@@ -642,8 +742,15 @@ class _Emulator:
                     entry.grequest = None
             except Exception:                                # noqa: BLE001
                 pass
+        for receive in self.pickled:
+            try:
+                if receive._poll(self.status):
+                    receive._due = None
+            except Exception:                                # noqa: BLE001
+                pass
+        self.pickled = [p for p in self.pickled if not p._taken.is_set()]
         self.receiving = [e for e in self.receiving if e.grequest is not None]
-        self.late_sends = [e for e in self.late_sends if e.grequest is not None]
+        self.late_sends = [e for e in self.late_sends + waiting if e.grequest is not None]
         self.sending = [item for item in self.sending if item[2].grequest is not None]
         self.due = [item for item in self.due if item[2].grequest is not None]
         heapq.heapify(self.sending)
@@ -661,7 +768,12 @@ class _Emulator:
             if not entry.send and not entry.cancelled:
                 entry.source, entry.tag = status.Get_source(), status.Get_tag()
                 entry.count = status.Get_count(MPI.BYTE)
-                self.arrival((entry.cid, entry.source, entry.tag))     # drop its record
+                self.arrival((entry.cid, entry.source, entry.tag))     # taken after all
+        if entry.send and entry.taken is None:
+            with self.lock:                      # no TAKEN record will come for it
+                for queue in self.untaken.values():
+                    if entry in queue:
+                        queue.remove(entry)
         if entry in self.receiving:
             self.receiving.remove(entry)
         if entry.grequest is not None:
@@ -687,11 +799,10 @@ class _Emulator:
                 os.unlink(path)
             except OSError:
                 pass
-        if self.nics.close():
-            try:
-                os.rmdir(self.dir)
-            except OSError:
-                pass            # another rank's FIFO is still there: its owner removes it
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass                # another rank's FIFO is still there: the last rank removes it
 
 
 def _remove_stale(base: str, prefix: str, mine: str) -> None:
@@ -783,52 +894,7 @@ def _make_comm_class():
             return self._comm._hold_receive(self._message.Irecv(buf))
 
         def irecv(self):
-            return _PickledReceive(self._message.irecv(), self._comm)
-
-    class _PickledReceive:
-        """``comm.irecv()``'s request: ``test()``/``wait()`` give the object once it has
-        arrived in the model."""
-
-        def __init__(self, request, comm):
-            self._request, self._comm = request, comm
-            self._done, self._due, self._value = False, None, None
-
-        def _matched(self, status) -> None:
-            self._done = True
-            self._due = self._comm._emulator.arrival(
-                (self._comm._cid, status.Get_source(), status.Get_tag()))
-
-        def test(self, status=None):
-            if not self._done:
-                own = status if status is not None else MPI.Status()
-                flag, value = self._request.test(own)
-                if not flag:
-                    return False, None
-                self._value = value
-                self._matched(own)
-            if self._due is not None and time.monotonic() < self._due:
-                return False, None
-            return True, self._value
-
-        def wait(self, status=None):
-            if not self._done:
-                own = status if status is not None else MPI.Status()
-                self._value = self._request.wait(own)
-                self._matched(own)
-            if self._due is not None:
-                sleep_until(self._due)
-            return self._value
-
-        def Test(self, status=None):
-            return self.test(status)[0]
-
-        def Wait(self, status=None):
-            self.wait(status)
-
-        def cancel(self):
-            self._request.Cancel()
-
-        Cancel = cancel
+            return _PickledReceive(self._message.irecv(), self._comm._emulator, self._comm._cid)
 
     class EmulatedComm(MPI.Intracomm):
         """An intracommunicator whose sends book the NICs of the ``link`` model and
@@ -854,43 +920,47 @@ def _make_comm_class():
             digest = hashlib.blake2b(repr((members, _created[members])).encode(), digest_size=8)
             self._cid = int.from_bytes(digest.digest(), "little") >> 1
             self._links = parse_link(config.get("link"))
+            self._emulator.comms[self._cid] = (self._world, self._me)
 
         # ------------------------------------------------------------ sending
-        def _book(self, dest: int, tag: int, nbytes: int) -> Optional[float]:
-            if dest < 0:                    # PROC_NULL
+        def _book(self, dest: int, tag: int, nbytes: int) -> Optional[_Entry]:
+            """The entry of a message to ``dest``, booked before the real one is posted
+            (None for PROC_NULL)."""
+            if dest < 0:
                 return None
             peer = self._world[dest]
-            if dest == self._me:            # free, but booked so its receive is found
-                self._emulator.post(self._cid, self._me, peer, tag, 0, (0.0, math.inf))
-                return None
             (lat_me, bw_me), (lat_peer, bw_peer) = self._links.of(self._emulator.rank), \
                 self._links.of(peer)
-            link = (max(lat_me, lat_peer), min(bw_me, bw_peer))
-            return self._emulator.post(self._cid, self._me, peer, tag, nbytes, link)
+            entry = _Entry(None, True)
+            self._emulator.post(entry, self._cid, self._me, dest, peer, tag, nbytes,
+                                (max(lat_me, lat_peer), min(bw_me, bw_peer)))
+            return entry
 
         def Send(self, buf, dest, tag=0):
-            done = self._book(dest, tag, _message_bytes(buf))
+            entry = self._book(dest, tag, _message_bytes(buf))
             super().Send(buf, dest, tag)
-            if done is not None:
-                sleep_until(done)
+            if entry is not None:
+                self._emulator.wait_taken(entry)
 
         def send(self, obj, dest, tag=0):
             self.Send([MPI.pickle.dumps(obj), MPI.BYTE], dest, tag)
 
         def Isend(self, buf, dest, tag=0):
-            done = self._book(dest, tag, _message_bytes(buf))
+            entry = self._book(dest, tag, _message_bytes(buf))
             real = super().Isend(buf, dest, tag)
-            if done is None:
+            if entry is None:
                 return real
-            return self._emulator.hold(_Entry(real, True, done))
+            entry.real = real
+            return self._emulator.hold(entry)
 
         def isend(self, obj, dest, tag=0):
             data = MPI.pickle.dumps(obj)
-            done = self._book(dest, tag, len(data))
+            entry = self._book(dest, tag, len(data))
             real = super().Isend([data, MPI.BYTE], dest, tag)
-            if done is None:
+            if entry is None:
                 return real
-            return self._emulator.hold(_Entry(real, True, done, keep=data))
+            entry.real, entry.keep = real, data
+            return self._emulator.hold(entry)
 
         # ------------------------------------------------------------ receiving
         def _arrived(self, key: tuple) -> None:
@@ -916,7 +986,7 @@ def _make_comm_class():
             return self._hold_receive(super().Irecv(buf, source, tag))
 
         def irecv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-            return _PickledReceive(super().irecv(buf, source, tag), self)
+            return _PickledReceive(super().irecv(buf, source, tag), self._emulator, self._cid)
 
         def _matched(self, message, status):
             if message is None:

@@ -611,10 +611,13 @@ class _Emulator:
                 cancels, self.cancels = self.cancels, []
                 taken, self.taken = self.taken, []
                 booked = bool(self.records)      # messages on their way to this rank
-                matched = [(self.untaken[key].popleft(), when) for key, when in taken
-                           if self.untaken.get(key)]
-                for key in [key for key, _ in taken if key in self.untaken and not self.untaken[key]]:
-                    del self.untaken[key]
+                matched = []
+                for key, when in taken:          # in the order the sends were posted
+                    queue = self.untaken.get(key)
+                    if queue:
+                        matched.append((queue.popleft(), when))
+                        if not queue:
+                            del self.untaken[key]
             try:
                 for entry in new:
                     if isinstance(entry, _PickledReceive):

@@ -307,7 +307,7 @@ class _Entry:
     """A send or receive whose completion waits for its modelled time: behind a
     generalized request (Isend, Irecv), or a blocking Send waiting on ``event``."""
     __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
-                 "cancelled", "keep", "taken", "event", "queued")
+                 "cancelled", "keep", "taken", "event", "queued", "asked")
 
     def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
         self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
@@ -315,6 +315,7 @@ class _Entry:
         self.source = self.tag = -1
         self.count = 0
         self.cancelled = self.queued = False
+        self.asked = None               # a receive: (cid, source, tag) as posted (ANY: -1)
 
 
 def _query(status, entry: _Entry) -> None:
@@ -431,12 +432,16 @@ class _Emulator:
         self.comms: Dict[int, tuple] = {}               # cid -> (world ranks, this rank's)
         self.records: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self.taken: list = []                           # TAKEN records the thread matches
+        self.outbox: Dict[int, list] = {}               # the thread's, to send: peer -> records
         self.untaken: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self.new: list = []               # held requests the thread has not seen yet
         self.cancels: list = []
         self.sending: list = []           # heap of (due, order, entry): taken sends to test
         self.late_sends: list = []        # due, but MPI has not finished them
-        self.receiving: list = []         # receives MPI has not matched yet
+        # receives MPI has not matched yet, by (cid, source, tag) as posted (ANY_SOURCE
+        # and ANY_TAG stay -1), each queue in posting order: MPI matches them in that order
+        self.receiving: Dict[tuple, collections.deque] = {}
+        self.tracking = False             # whether the thread knows of receives
         self.pickled: list = []           # comm.irecv()'s, likewise
         self.due: list = []               # heap of (due, order, entry): done, to release
         self.statuses: list = []
@@ -531,11 +536,12 @@ class _Emulator:
         if answered and threading.current_thread() is not self.thread:
             self.wake()                 # the thread matches TAKEN records with sends
 
-    def arrival(self, key: tuple) -> Optional[float]:
+    def arrival(self, key: tuple, defer: bool = False) -> Optional[float]:
         """When the message that this rank has just taken, from ``key`` = (cid, source,
         tag), has arrived: it goes through this rank's ingress, FIFO in the order this
         rank takes messages, from when its sender put it on the wire, and arrives
-        ``latency`` after its last byte. None for a message that was not booked."""
+        ``latency`` after its last byte. None for a message that was not booked.
+        ``defer``: the thread sends the TAKEN record with the others of its pass."""
         with self.lock:
             self._read_records()
             queue = self.records.get(key)
@@ -549,8 +555,21 @@ class _Emulator:
             start = max(start, self.ingress_free)
             taken = self.ingress_free = max(start + duration, end)
             world, me = self.comms[key[0]]
-        self._write(world[key[1]], _RECORD.pack(_TAKEN, key[0], me, key[2], taken, 0, 0, 0))
+        record = _RECORD.pack(_TAKEN, key[0], me, key[2], taken, 0, 0, 0)
+        if defer:
+            self.outbox.setdefault(world[key[1]], []).append(record)
+        else:
+            self._write(world[key[1]], record)
         return taken + latency
+
+    def _flush(self) -> None:
+        """The thread's TAKEN records of one pass: one write per peer (up to PIPE_BUF
+        bytes, which a FIFO writes whole)."""
+        per_write = 4096 // _RECORD.size
+        for peer, records in self.outbox.items():
+            for i in range(0, len(records), per_write):
+                self._write(peer, b"".join(records[i:i + per_write]))
+        self.outbox.clear()
 
     # ------------------------------------------------------------ held requests
     def hold(self, entry: _Entry):
@@ -560,9 +579,10 @@ class _Emulator:
         entry.grequest = grequest = MPI.Grequest.Start(_query, _free, _cancel, args=(entry,))
         with self.lock:
             self.new.append(entry)
-            wake = time.monotonic() + _FALLBACK_S < self.next_wake or (
-                entry.send and entry.taken is not None)
-        if wake:                # otherwise a record (SENT or TAKEN) brings the wake-up
+            wake = entry.taken is not None if entry.send else not self.tracking
+        # Otherwise a record (SENT or TAKEN) brings the wake-up; a thread that knows of
+        # receives also looks at least every FALLBACK_S, and polls while records wait.
+        if wake:
             self.wake()
         return grequest                 # (the thread drops entry.grequest once complete)
 
@@ -610,7 +630,7 @@ class _Emulator:
                 new, self.new = self.new, []
                 cancels, self.cancels = self.cancels, []
                 taken, self.taken = self.taken, []
-                booked = bool(self.records)      # messages on their way to this rank
+                waiting = list(self.records)     # messages on their way to this rank
                 matched = []
                 for key, when in taken:          # in the order the sends were posted
                     queue = self.untaken.get(key)
@@ -625,7 +645,7 @@ class _Emulator:
                         continue
                     entry.queued = True
                     if not entry.send:
-                        self.receiving.append(entry)
+                        self.receiving.setdefault(entry.asked, collections.deque()).append(entry)
                     elif entry.taken is not None:
                         self._taken(entry)
                 for entry, when in matched:
@@ -636,7 +656,8 @@ class _Emulator:
                         self._taken(entry)
                 for entry in cancels:
                     self._cancel_real(entry)
-                moved, late = self._step(booked)
+                moved, late = self._step(waiting)
+                self._flush()
             except Exception:                                # noqa: BLE001
                 if MPI.Is_finalized():
                     return
@@ -655,6 +676,7 @@ class _Emulator:
                        now + poll if late else math.inf)
             with self.lock:
                 self.next_wake = wake
+                self.tracking = bool(self.receiving or self.pickled)
                 if self.new or self.cancels or self.taken:
                     continue
             wait = wake - now
@@ -675,39 +697,63 @@ class _Emulator:
         left and the receiver has it."""
         heapq.heappush(self.sending, (max(entry.due, entry.taken), next(self.order), entry))
 
-    def _step(self, booked: bool):
-        """Advance the held requests: (whether any completed, whether a real request is
-        later than its model). ``booked``: whether records of messages to this rank wait
-        for their receives."""
+    def _candidates(self, waiting) -> list:
+        """The receive queues that could take the messages whose records wait."""
+        found = []
+        for cid, src, tag in waiting:
+            for key in ((cid, src, tag), (cid, -1, tag), (cid, src, -1), (cid, -1, -1)):
+                if key in self.receiving and key not in found:
+                    found.append(key)
+        return found
+
+    def _take(self, key: tuple, now: float, every: bool = False) -> bool:
+        """Test the receives of queue ``key`` in posting order, up to the first still
+        waiting (``every``: all of them); release the completed."""
         from mpi4py import MPI
-        moved, late, now = False, False, time.monotonic()
-        if self.broken:
-            self._release_all()
-            return False, bool(self.receiving or self.late_sends or self.sending or self.due)
-        # A receive can only have completed once its message's record came: the sender
-        # writes it first. So receives are tested while records wait, and every
-        # FALLBACK_S in case a message came unbooked.
-        receiving = self.receiving
-        if receiving and (booked or now >= self.fallback):
-            self.fallback = now + _FALLBACK_S
-            while len(self.statuses) < len(receiving):
-                self.statuses.append(MPI.Status())
-            done = MPI.Request.Testsome([e.real for e in receiving], self.statuses) or []
-            for i in done:
-                entry, status = receiving[i], self.statuses[i]
+        queue, moved = self.receiving[key], False
+        for entry in list(queue):
+            if entry.real is not None:
+                if not entry.real.Test(self.status):
+                    if every:
+                        continue
+                    break
+                status = self.status
                 entry.real = None
                 entry.source, entry.tag = status.Get_source(), status.Get_tag()
                 entry.count = status.Get_count(MPI.BYTE)
                 entry.cancelled = status.Is_cancelled()
-                entry.due = self.arrival((entry.cid, entry.source, entry.tag))
+                entry.due = self.arrival((entry.cid, entry.source, entry.tag), defer=True)
                 heapq.heappush(self.due, (entry.due or now, next(self.order), entry))
-            if done:
-                self.receiving = receiving = [e for e in receiving if e.real is not None]
-            late = bool(receiving) and booked
-        if self.pickled and (booked or now >= self.fallback):
+            queue.remove(entry)
+            moved = True
+        if not queue:
+            del self.receiving[key]
+        return moved
+
+    def _step(self, waiting):
+        """Advance the held requests: (whether any completed, whether a real request is
+        later than its model). ``waiting``: the keys of the records of messages to this
+        rank that no receive has taken yet."""
+        moved, late, now = False, False, time.monotonic()
+        if self.broken:
+            self._release_all()
+            return False, bool(self.receiving or self.pickled or self.late_sends or self.sending
+                               or self.due)
+        # A receive can only have completed once its message's record came: the sender
+        # writes it first. So for each record waiting, the first receive posted that could
+        # take it is tested (and the next, while they complete); all of them every
+        # FALLBACK_S, in case a message came unbooked.
+        if self.receiving:
+            every = now >= self.fallback
+            if every:
+                self.fallback = now + _FALLBACK_S
+            for key in list(self.receiving) if every else self._candidates(waiting):
+                moved |= self._take(key, now, every)
+            late = bool(waiting) and bool(self.receiving)
+        if self.pickled and (waiting or now >= self.fallback):
             self.fallback = now + _FALLBACK_S
             self.pickled = [p for p in self.pickled if not p._poll(self.status)]
-            late |= bool(self.pickled) and booked
+            late |= bool(self.pickled) and bool(waiting)
         while self.sending and self.sending[0][0] <= now:      # sends are tested when due
             entry = heapq.heappop(self.sending)[2]
             if entry.real is not None:
@@ -736,7 +782,8 @@ class _Emulator:
             if entry.event is not None:
                 entry.taken = entry.due
                 entry.event.set()
-        for entry in (self.receiving + self.late_sends + waiting
+        receiving = [e for queue in self.receiving.values() for e in queue]
+        for entry in (receiving + self.late_sends + waiting
                       + [e for _, _, e in self.sending + self.due]):
             try:
                 if entry.grequest is not None and (entry.real is None or entry.real.Test()):
@@ -752,7 +799,10 @@ class _Emulator:
             except Exception:                                # noqa: BLE001
                 pass
         self.pickled = [p for p in self.pickled if not p._taken.is_set()]
-        self.receiving = [e for e in self.receiving if e.grequest is not None]
+        self.receiving = {}
+        for entry in receiving:
+            if entry.grequest is not None:
+                self.receiving.setdefault(entry.asked, collections.deque()).append(entry)
         self.late_sends = [e for e in self.late_sends + waiting if e.grequest is not None]
         self.sending = [item for item in self.sending if item[2].grequest is not None]
         self.due = [item for item in self.due if item[2].grequest is not None]
@@ -777,8 +827,11 @@ class _Emulator:
                 for queue in self.untaken.values():
                     if entry in queue:
                         queue.remove(entry)
-        if entry in self.receiving:
-            self.receiving.remove(entry)
+        queue = self.receiving.get(entry.asked)
+        if queue is not None and entry in queue:
+            queue.remove(entry)
+            if not queue:
+                del self.receiving[entry.asked]
         if entry.grequest is not None:
             entry.grequest.Complete()
             entry.grequest = None
@@ -893,8 +946,9 @@ def _make_comm_class():
             self._message.Recv(buf, status)
             self._comm._arrived(self._key)
 
-        def Irecv(self, buf):
-            return self._comm._hold_receive(self._message.Irecv(buf))
+        def Irecv(self, buf):               # matched already: tested every FALLBACK_S
+            return self._comm._hold_receive(self._message.Irecv(buf), *self._key[1:],
+                                            matched=True)
 
         def irecv(self):
             return _PickledReceive(self._message.irecv(), self._comm._emulator, self._comm._cid)
@@ -971,8 +1025,12 @@ def _make_comm_class():
             if due is not None:
                 sleep_until(due)
 
-        def _hold_receive(self, real):
-            return self._emulator.hold(_Entry(real, False, cid=self._cid))
+        def _hold_receive(self, real, source: int, tag: int, matched: bool = False):
+            entry = _Entry(real, False, cid=self._cid)
+            entry.asked = (self._cid, source if source >= 0 else -1, tag if tag >= 0 else -1)
+            if matched:
+                entry.asked += ("matched",)
+            return self._emulator.hold(entry)
 
         def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
             own = status if status is not None else MPI.Status()
@@ -986,7 +1044,7 @@ def _make_comm_class():
             return obj
 
         def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-            return self._hold_receive(super().Irecv(buf, source, tag))
+            return self._hold_receive(super().Irecv(buf, source, tag), source, tag)
 
         def irecv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
             return _PickledReceive(super().irecv(buf, source, tag), self._emulator, self._cid)

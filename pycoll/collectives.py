@@ -603,6 +603,7 @@ def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     out = _C.allreduce_now(x, False, op, group, name)
     if out is not None:
         return out
+    emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=False)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 
@@ -611,6 +612,7 @@ def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
     if _C.allreduce_now(x, True, op, group, name) is not None:
         return x
+    emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=True)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 

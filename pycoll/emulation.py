@@ -9,9 +9,10 @@ transfer runs first, then the caller sleeps (no CPU burned) until the modelled t
 passed, so overlap of communication with compute shows as it would on a network.
 
 - Collectives cost the standard alpha-beta time of their algorithm (``collective_time``),
-  paced by the group's slowest link; every member computes the same start (the latest
-  arrival) and cost, from one small Allgather after the real collective, so the members
-  leave together.
+  paced by the group's slowest link. Each member writes its entry (time, link, bytes) to
+  a shared-memory file before the real collective and reads the others' after it, so
+  every member computes the same start (the latest entry) and cost and they leave
+  together.
 - Point-to-point messages (partial all-reduce's ring, the parameter server, torch
   send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
   for egress and one for ingress. A sender puts a message on its egress when it posts
@@ -38,6 +39,7 @@ import heapq
 import itertools
 import logging
 import math
+import mmap
 import numbers
 import os
 import re
@@ -227,22 +229,124 @@ def _world_rank() -> int:
     return hetero._rank()
 
 
-def collective(comm, kind: str, nbytes: int, began: float) -> None:
-    """After the real collective ``kind`` on ``comm``, which this rank entered at
-    ``began`` with ``nbytes`` (see ``collective_time``): sleep until the modelled end,
-    the latest member's arrival plus the cost at the slowest member's link."""
-    n = comm.Get_size()
-    if n <= 1:
+class _Slots:
+    """Each world rank's entries into its latest collectives, in a file in shared memory
+    that every rank maps: SLOTS per rank, each (key, entry time, latency, 1/bandwidth,
+    bytes). A rank writes only its own, the key last; the others read them."""
+
+    SLOTS = 64
+
+    def __init__(self, path: str, size: int):
+        import numpy as np
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            nbytes = size * self.SLOTS * 5 * 8
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)          # zeros; every rank asks for the same size
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.values = np.frombuffer(self.map, np.float64).reshape(size, self.SLOTS, 5)
+        self.keys = np.frombuffer(self.map, np.int64).reshape(size, self.SLOTS, 5)[:, :, 0]
+
+
+class _Group:
+    """What a communicator's emulated collectives need: its members' world ranks, an id
+    every member agrees on, and how many collectives it has run."""
+
+    def __init__(self, comm, cid: int):
+        from mpi4py import MPI
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            self.world = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        finally:
+            group.Free()
+            world.Free()
+        self.comm, self.cid, self.count = comm, cid, 0
+        self.me = MPI.COMM_WORLD.Get_rank()
+        self.links = self.link = None
+
+    def my_link(self) -> tuple:
+        """(latency, 1/bandwidth) of this rank, parsed again only when the knob changes."""
+        links = config.get("link")
+        if links is not self.links:
+            latency, bandwidth = parse_link(links).of(self.me)
+            self.links, self.link = links, (latency, 1.0 / bandwidth)
+        return self.link
+
+
+_groups: Dict[int, _Group] = {}
+_next_cid = 1
+_slots: Optional[_Slots] = None
+
+
+def _group(comm) -> _Group:
+    """``comm``'s record, made at its first emulated collective: one small allreduce
+    there agrees on its id (the members run their collectives on it in one order)."""
+    global _next_cid, _slots
+    found = _groups.get(id(comm))
+    if found is None or found.comm is not comm:
+        from mpi4py import MPI
+        cid = comm.allreduce(_next_cid, op=MPI.MAX)
+        _next_cid = cid + 1
+        found = _groups[id(comm)] = _Group(comm, cid)
+        if _slots is None:
+            _slots = _Slots(os.path.join(_job().dir, "collectives"), MPI.COMM_WORLD.Get_size())
+    return found
+
+
+def _enter(comm, nbytes: int, issued: float = math.inf):
+    """Before a collective on ``comm``: this rank's entry (when it was issued, but not
+    before this rank's previous one ended; its link, its bytes) where the other members
+    can read it; None for a group of one."""
+    now = time.monotonic()
+    if comm.Get_size() <= 1:
+        return None
+    if getattr(_called, "at", None) is not None:
+        issued, _called.at = min(issued, _called.at), None
+    group = _group(comm)
+    group.count += 1
+    key = hash((group.cid, group.count)) & (2**62 - 1) or 1
+    slot = group.count % _Slots.SLOTS
+    _slots.values[group.me, slot, 1:] = (max(min(issued, now), _last_end[0]),
+                                         *group.my_link(), float(nbytes))
+    _slots.keys[group.me, slot] = key                     # last: the entry is complete
+    return group, key, slot
+
+
+_last_end = [0.0]           # when this rank's latest emulated collective ended
+_called = threading.local()
+
+
+def called() -> None:
+    """A blocking collective was called in this thread (past the short path, which does
+    not run under a link): its modelled time runs from here."""
+    if config.get("link"):
+        _called.at = time.monotonic()
+
+
+def _leave(entry, kind: str) -> None:
+    """After the real collective: sleep until the modelled end, the latest member's entry
+    plus the cost at the slowest member's link (the same on every member)."""
+    if entry is None:
         return
-    import numpy as np
-    latency, bandwidth = link_of()
-    mine = np.array([began, latency, 1.0 / bandwidth, float(nbytes)], np.float64)
-    every = np.empty((n, 4), np.float64)
-    comm.Allgather(mine, every)
-    start, latency, slowest = every[:, :3].max(axis=0).tolist()
-    total = float(every[:, 3].sum() if kind == "allgather" else every[:, 3].max())
+    group, key, slot = entry
+    keys, values = _slots.keys[:, slot].tolist(), _slots.values[:, slot]
+    if any(keys[m] != key for m in group.world):
+        deadline, delay = time.monotonic() + config.get("timeout"), 0.0
+        while any(_slots.keys[m, slot] != key for m in group.world):
+            if time.monotonic() > deadline:    # a member never came: the real call says so
+                return
+            time.sleep(delay)          # a broadcast's root can finish before the others
+            delay = min(max(2 * delay, 1e-5), 1e-3)    # come; in the model all leave together
+    rows = values[group.world].tolist()
+    start = max(row[1] for row in rows)
+    latency = max(row[2] for row in rows)
+    slowest = max(row[3] for row in rows)
+    total = sum(row[4] for row in rows) if kind == "allgather" else max(row[4] for row in rows)
     bandwidth = 1.0 / slowest if slowest > 0 else math.inf
-    sleep_until(start + collective_time(kind, n, total, latency, bandwidth))
+    sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
+    _last_end[0] = time.monotonic()
 
 
 def modelled(kind: str, what):
@@ -253,10 +357,9 @@ def modelled(kind: str, what):
         def emulated(*args):
             if not config.get("link"):
                 return run(*args)
-            began = time.monotonic()
+            entry = _enter(*what(*args))
             result = run(*args)
-            comm, nbytes = what(*args)
-            collective(comm, kind, nbytes, began)
+            _leave(entry, kind)
             return result
         return emulated
     return decorate
@@ -267,11 +370,12 @@ def timed(kind: str, comm, nbytes: int, run):
     is set; ``run`` itself otherwise."""
     if not config.get("link"):
         return run
+    issued = time.monotonic()               # planned in the caller's thread: its call
 
     def emulated():
-        began = time.monotonic()
+        entry = _enter(comm, nbytes, issued)
         result = run()
-        collective(comm, kind, nbytes, began)
+        _leave(entry, kind)
         return result
     return emulated
 
@@ -410,13 +514,7 @@ class _Emulator:
         if local and int(local) != self.size:
             raise RuntimeError(f"--link emulates a cluster on one machine, but this job's "
                                f"{self.size} ranks run on several ({local} here)")
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        prefix = f"pycoll-link-{os.getuid()}-"
-        self.dir = os.path.join(base, prefix + _job_name())
-        _remove_stale(base, prefix, self.dir)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self.marker = os.path.join(self.dir, f"pid-{os.getpid()}")
-        open(self.marker, "w").close()            # who uses the directory: see _remove_stale
+        self.dir = _job().dir
         self.fifo = self._fifo_path(self.rank)
         try:
             os.mkfifo(self.fifo, 0o600)
@@ -850,15 +948,44 @@ class _Emulator:
                 os.close(fd)
             except OSError:
                 pass
-        for path in (self.fifo, self.marker):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
         try:
-            os.rmdir(self.dir)
+            os.unlink(self.fifo)
         except OSError:
-            pass                # another rank's FIFO is still there: the last rank removes it
+            pass
+
+
+class _JobDir:
+    """This job's directory in /dev/shm: the ranks' FIFOs and the collectives' slots.
+    Each process leaves a pid- marker there while it runs; the last one out removes it."""
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        prefix = f"pycoll-link-{os.getuid()}-"
+        self.dir = os.path.join(base, prefix + _job_name())
+        _remove_stale(base, prefix, self.dir)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.marker = os.path.join(self.dir, f"pid-{os.getpid()}")
+        open(self.marker, "w").close()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.marker)
+            if not any(n.startswith("pid-") for n in os.listdir(self.dir)):
+                shutil.rmtree(self.dir, ignore_errors=True)
+        except OSError:
+            pass
+
+
+_the_job: Optional[_JobDir] = None
+
+
+def _job() -> _JobDir:
+    global _the_job
+    with _emulator_lock:
+        if _the_job is None:
+            _the_job = _JobDir()
+        return _the_job
 
 
 def _remove_stale(base: str, prefix: str, mine: str) -> None:
@@ -890,7 +1017,7 @@ def _remove_stale(base: str, prefix: str, mine: str) -> None:
 
 
 _the_emulator: Optional[_Emulator] = None
-_emulator_lock = threading.Lock()
+_emulator_lock = threading.RLock()
 
 
 def _emulator() -> _Emulator:

@@ -1,7 +1,8 @@
 # make demo: set up .venv and train the digits MLP on 4 ranks.
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks).
-# make bench: the collectives and fusion benchmarks at 2 and 4 ranks (bench/results/).
+# make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the training
+#             benchmarks and the emulated network against its model (bench/results/).
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -44,6 +45,7 @@ bench: install
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results
 	$(PY) bench/ripples_training.py --out bench/results/ripples-training
+	$(PY) bench/emulation.py --json bench/results/emulation.json --plot bench/results/emulation.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info pycoll/_C*.so

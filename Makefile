@@ -2,7 +2,8 @@
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
 #            configuration at 2 and 4, and over TCP at 3).
-# make bench: the collectives and fusion benchmarks at 2 and 4 ranks (bench/results/).
+# make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the training
+#             benchmarks and the emulated network against its model (bench/results/).
 # make reproduce: the papers' headline experiments under emulation, one report.
 VENV    ?= .venv
 PYTHON  ?= python3
@@ -55,6 +56,7 @@ bench: install
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results
 	$(PY) bench/ripples_training.py --out bench/results/ripples-training
+	$(PY) bench/emulation.py --json bench/results/emulation.json --plot bench/results/emulation.png
 
 # make reproduce: each paper's headline experiment and one report (QUICK=1: a few minutes);
 #                an interrupted run resumes (bench/results/reproduce/).

@@ -124,7 +124,7 @@ def knob_env(args, parser) -> dict:
             value = knob.parse(text)
         except ValueError as err:
             parser.error(f"{knob.flag} {text!r}: {err}")
-        if knob.name == "slowdown" and any(rank >= args.np for rank in value):
+        if knob.name in ("slowdown", "link") and value and any(rank >= args.np for rank in value):
             parser.error(f"{knob.flag} {text!r}: rank {max(value)} does not exist with -np {args.np}")
         env[knob.env] = text
     return env

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, runtime, tensors
+from . import _C, config, emulation, runtime, tensors
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
@@ -173,6 +173,7 @@ def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _A
     return _Allreduce(src, as_buffer(out, writable=True), out, op, grp, name)
 
 
+@emulation.modelled("allreduce", lambda item: (item.grp.comm, item.dst.nbytes))
 def _allreduce_one(item: _Allreduce):
     """In MPI's hands directly, no copy, in pieces of PYCOLL_CHUNK_BYTES: each is reduced
     and scaled while it is in cache. CUDA memory without a CUDA-aware MPI is staged."""
@@ -219,8 +220,10 @@ def _short_route(op, x) -> tuple:
 _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     mpi_error=MPI.Exception, in_place=int(MPI.IN_PLACE))
-# Mismatch checks compare what ranks submit before each collective: the short path skips them.
-config.watch(lambda: _C.short_path_settings(not config.get("check"), config.get("chunk_bytes")))
+# Mismatch checks (ranks compare what they submit) and link emulation (the modelled time
+# is added after the call) happen on the general path only.
+config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link"),
+                                            config.get("chunk_bytes")))
 
 
 class _Many(NamedTuple):
@@ -245,6 +248,8 @@ class _Many(NamedTuple):
                    items[0].grp, items.__getitem__, first.device_id, last.ready)
 
 
+@emulation.modelled("allreduce", lambda many, which: (many.grp.comm,
+                                                     sum(many.sizes[i] for i in which)))
 def _allreduce_fused(many: _Many, which: List[int]) -> None:
     """One reduction for tensors ``which`` of ``many``."""
     if config.get("check"):         # before building agree()'s arguments: this is hot
@@ -451,7 +456,7 @@ def _plan_allgather(x, group, name, out=None):
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
         return result
-    return name, run
+    return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
 
 def _output(out, dtype: str, what: str) -> Buffer:
@@ -483,7 +488,7 @@ def _plan_broadcast(x, root, group, name, inplace):
             for offset, nbytes in _pieces(dst.nbytes, 1):
                 grp.comm.Bcast(message(d + offset, nbytes), root=root)
         return out
-    return name, run
+    return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
 
 
 def check_root(root, grp: runtime.Group, what: str = "root") -> None:
@@ -528,7 +533,7 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
             if op is Average:
                 _scale(dst, d, dst.count, 1.0 / grp.size())
         return out
-    return name, run
+    return name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
 
 
 def _plan_alltoall(x, splits, group, name):
@@ -570,7 +575,7 @@ def _plan_alltoall(x, splits, group, name):
                 [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
                  _displacements(recv_counts), MPI.BYTE])
         return out, recv_splits
-    return name, run
+    return name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
 
 
 def _plan_barrier(group, name):
@@ -579,7 +584,7 @@ def _plan_barrier(group, name):
     def run():
         grp.agree("barrier", name)
         grp.comm.Barrier()
-    return name, run
+    return name, emulation.timed("barrier", grp.comm, 0, run)
 
 
 # ---------------------------------------------------------------- public API
@@ -604,6 +609,7 @@ def allreduce(x, op=Average, group=None, name: Optional[str] = None):
     out = _C.allreduce_now(x, False, op, group, name)
     if out is not None:
         return out
+    emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=False)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 
@@ -612,6 +618,7 @@ def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
     """``allreduce`` into ``x`` itself; returns ``x``."""
     if _C.allreduce_now(x, True, op, group, name) is not None:
         return x
+    emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=True)
     return runtime.engine().run(lambda: _allreduce_one(item), item.name)
 

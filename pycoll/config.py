@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .emulation import parse_link
+
 
 def _bool(text: str) -> bool:
     value = str(text).strip().lower()
@@ -44,18 +46,55 @@ def _choice(*names: str) -> Callable[[str], str]:
     return parse
 
 
+class Windows(float):
+    """A rank's slowdown that comes and goes: the float is its largest factor (what a
+    plain ``RANK:FACTOR`` entry holds); ``at(t)`` the factor ``t`` seconds after the
+    start, from ``windows`` ((start, end, factor), the last listed winning) else ``base``."""
+
+    def __new__(cls, base: float, windows):
+        value = float.__new__(cls, max([base] + [factor for _, _, factor in windows]))
+        value.base, value.windows = base, tuple(windows)
+        return value
+
+    def at(self, t: float) -> float:
+        for start, end, factor in reversed(self.windows):
+            if start <= t < end:
+                return factor
+        return self.base
+
+    def __repr__(self) -> str:
+        return ",".join([f"{self.base:g}"] * (self.base != 1) + [
+            f"{f:g}@{s:g}-{'' if e == float('inf') else f'{e:g}'}" for s, e, f in self.windows])
+
+
 def parse_slowdown(text: str) -> dict:
-    """``"1:3,4:1.5"`` -> ``{1: 3.0, 4: 1.5}`` (rank -> compute slowdown factor)."""
-    factors = {}
+    """``"1:3,4:1.5"`` -> ``{1: 3.0, 4: 1.5}`` (rank -> compute slowdown factor).
+    ``RANK:FACTOR@START-END`` slows the rank only from START to END seconds after the
+    start (``pycoll.init``), END omitted: to the end; a rank may have several windows
+    (and a plain entry for the time outside them); its value is then a ``Windows``."""
+    factors, windows = {}, {}
     for item in filter(None, (part.strip() for part in str(text).split(","))):
         rank, sep, factor = item.partition(":")
+        factor, at, span = factor.partition("@")
         try:
             rank, factor = int(rank), float(factor)
+            start, dash, end = span.partition("-")
+            start, end = (float(start), float(end) if end.strip() else float("inf")) if at \
+                else (0.0, float("inf"))
         except ValueError:
-            raise ValueError(f"slowdown {item!r} is not RANK:FACTOR, e.g. 1:3") from None
+            raise ValueError(f"slowdown {item!r} is not RANK:FACTOR[@START-END], e.g. 1:3 "
+                             "or 1:3@10-20") from None
         if not sep or rank < 0 or factor < 1:
             raise ValueError(f"slowdown {item!r}: need RANK >= 0 and FACTOR >= 1, e.g. 1:3")
-        factors[rank] = factor
+        if at and (not dash or not 0 <= start < end):
+            raise ValueError(f"slowdown {item!r}: a window is @START-END seconds with "
+                             "0 <= START < END, e.g. 1:3@10-20 (or 1:3@10- to the end)")
+        if at:
+            windows.setdefault(rank, []).append((start, end, factor))
+        else:
+            factors[rank] = factor
+    for rank, spans in windows.items():
+        factors[rank] = Windows(factors.get(rank, 1.0), spans)
     return factors
 
 
@@ -105,7 +144,12 @@ KNOBS = {k.name: k for k in (
     Knob("cuda_aware_mpi", False, _bool,
          "hand GPU buffers to MPI directly instead of staging them through host memory"),
     Knob("slowdown", {}, parse_slowdown,
-         "RANK:FACTOR[,RANK:FACTOR]: pycoll.slowdown() makes these ranks' compute FACTOR times slower"),
+         "RANK:FACTOR[@START-END][,...]: pycoll.slowdown() makes these ranks' compute FACTOR "
+         "times slower (from START to END seconds after pycoll.init, if given)"),
+    Knob("link", None, parse_link,
+         "[RANK:]LATENCY,BANDWIDTH[,...], e.g. 50us,1.25GB/s: emulate a network; every "
+         "transfer takes at least its alpha-beta time, each rank's NIC a FIFO (a RANK: "
+         "entry gives that rank its own link)"),
     Knob("servers", 1, _number(int, 1, "a whole number of server ranks >= 1"),
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
     Knob("partial_cache_after", 3, _number(int, 0, "a whole number of uses >= 0"),

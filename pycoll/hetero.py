@@ -8,6 +8,11 @@
 On a slowed rank the block runs as usual, then the rank sleeps (FACTOR - 1) times the
 block's wall time: it is FACTOR times slower yet uses no extra CPU, so ranks may
 outnumber cores. Every other rank pays a dictionary lookup.
+
+A straggler that comes and goes: ``--slowdown 1:3@10-20,1:2@40-`` slows rank 1 three
+times from 10 to 20 s after the start, and twice from 40 s on. The start is
+``pycoll.init()`` (which every rank leaves at about the same time), else this module's
+import; a block takes the factor in force when it begins.
 """
 import contextlib
 import os
@@ -17,6 +22,19 @@ import time
 from . import config
 
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_start = time.monotonic()
+
+
+def mark_start() -> None:
+    """Windows of ``--slowdown RANK:FACTOR@START-END`` count seconds from now
+    (``pycoll.init`` calls it)."""
+    global _start
+    _start = time.monotonic()
+
+
+def elapsed() -> float:
+    """Seconds since the start that slowdown windows count from."""
+    return time.monotonic() - _start
 
 
 def _rank() -> int:
@@ -33,12 +51,13 @@ def _rank() -> int:
 
 
 def slowdown_factor(rank=None) -> float:
-    """This rank's (or `rank`'s) compute slowdown factor from the `slowdown` knob; 1.0 if
-    the rank is not named."""
+    """This rank's (or `rank`'s) compute slowdown factor from the `slowdown` knob, now; 1.0
+    if the rank is not named (or outside its windows)."""
     factors = config.get("slowdown")
     if not factors:
         return 1.0
-    return float(factors.get(_rank() if rank is None else rank, 1.0))
+    factor = factors.get(_rank() if rank is None else rank, 1.0)
+    return float(factor.at(elapsed()) if hasattr(factor, "at") else factor)
 
 
 @contextlib.contextmanager

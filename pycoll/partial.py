@@ -40,7 +40,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, runtime, tensors
+from . import _C, config, emulation, runtime, tensors
 from .collectives import Average, check_reduction, message, mpi_op, reduce_op, staged
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
@@ -256,8 +256,8 @@ def _plan(x, ranks, op, name, inplace):
             with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
                 if after and uses >= after:
                     comm = _cached_comm(state, members, me, tag, deadline, name)
-                    comm.Allreduce(MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype),
-                                   mpi_op(op, dst.dtype))
+                    emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
+                        MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
                     if op is Average:
                         _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
                 else:

@@ -4,7 +4,7 @@ import logging
 import weakref
 from typing import Iterable, Optional
 
-from . import _C, config
+from . import _C, config, emulation, hetero
 from .engine import Engine
 from .inspector import Checker
 
@@ -90,8 +90,9 @@ def init(comm=None, **options) -> None:
                            "(its default is MPI_THREAD_MULTIPLE)")
     # Our own duplicate: pycoll's traffic never matches the user's messages on ``comm``.
     own = comm.Dup()
+    hetero.mark_start()             # --slowdown windows count from here
     _state.world = Group(own, tuple(range(own.Get_size())))
-    _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
+    _state.p2p_comm = emulation.p2p(own.Dup())  # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine(on_stuck=_abort)
     _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size())

@@ -174,3 +174,29 @@ def test_reproduce_smoke_run_is_resumable_and_writes_its_report(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [p.stat().st_mtime_ns for p in runs] == stamps          # nothing was run again
+
+
+# ---------------------------------------------------------------- bench/emulation.py
+
+def test_emulation_bench_smoke(tmp_path):
+    """bench/emulation.py shrunk: 2 ranks, two sizes, one repetition, a slow link; every
+    op has a row with its model, and the table and the plot are written."""
+    out, png = tmp_path / "emulation.json", tmp_path / "emulation.png"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_", "PMIX_", "PMI_", "PYCOLL_"))}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "emulation.py"),
+                           "--ranks", "2", "--sizes", "4K,256K", "--reps", "1",
+                           "--link", "1ms,100MB/s", "--json", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "meas/model" in proc.stdout and "checked rows within 10%" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["link"] == "1ms,100MB/s" and data["meta"]["ranks"] == 2
+    seen = {(r["op"], r["pushers"]) for r in data["rows"]}
+    assert seen == {("allreduce", None), ("allgather", None), ("broadcast", None),
+                    ("partial", None), ("ps push", 1), ("ps push", 2), ("ps pull", 1),
+                    ("ps pull", 2)}
+    for r in data["rows"]:
+        assert r["model_ms"] > 0 and r["measured_ms"] > 0 and r["real_ms"] > 0
+        assert r["measured_ms"] >= 0.9 * r["model_ms"], r      # never faster than the model
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

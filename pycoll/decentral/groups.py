@@ -35,7 +35,7 @@ import time
 from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import config, runtime
+from .. import config, emulation, runtime
 from ..work import CollectiveTimeout, poll
 
 Groups = List[Tuple[int, ...]]
@@ -175,7 +175,7 @@ class GroupGenerator:
     """
 
     def __init__(self, group_size: int = 3, seed: int = 0, tolerance: float = 0.5, root: int = 0):
-        self.comm = runtime.world().comm.Dup()
+        self.comm = emulation.p2p(runtime.world().comm.Dup())
         self.rank, self.root = self.comm.Get_rank(), root
         self.book = GroupBook(self.comm.Get_size(), group_size, seed, tolerance)
         self.thread: Optional[threading.Thread] = None

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from .. import collectives, config, runtime
+from .. import collectives, config, emulation, runtime
 from ..partial import partial_allreduce_
 from ..work import CollectiveTimeout, poll
 
@@ -82,7 +82,7 @@ class ADPSGD:
 
     def __init__(self, model: torch.nn.Module, seed: int = 0):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm = runtime.world().comm.Dup()
+        self.comm = emulation.p2p(runtime.world().comm.Dup())     # --link paces the gossip
         self.rank, size = self.comm.Get_rank(), self.comm.Get_size()
         self.actives, self.passives = list(range(0, size, 2)), list(range(1, size, 2))
         self.rng = random.Random(f"{seed}:{self.rank}")

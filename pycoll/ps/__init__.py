@@ -64,7 +64,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import config
+from .. import config, emulation
 from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
@@ -133,7 +133,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
                                 f"init within {timeout:g} s; a rank may have died, hung or "
                                 "skipped it (PYCOLL_TIMEOUT sets the limit)")
-    own = comm.Dup()
+    own = emulation.p2p(comm.Dup())      # --link paces every message on it
     is_worker = own.rank < workers
     mine = own.Split(0 if is_worker else 1, own.rank)     # the workers', or the servers'
     if not is_worker:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 import pycoll
-from pycoll import runtime
+from pycoll import emulation, runtime
 from pycoll.collectives import check_root
 from pycoll.tensors import as_buffer
 
@@ -173,7 +173,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._timeout = timeout or None           # seconds; None: PYCOLL_TIMEOUT
         # Made now, with the group, as every member does: made at the first send, it would
         # be a collective that the ranks not in that send never join.
-        self._p2p_comm = runtime.engine().run(group.comm.Dup, "torch.p2p_comm")
+        self._p2p_comm = emulation.p2p(runtime.engine().run(group.comm.Dup, "torch.p2p_comm"))
         self._p2p_failure: Optional[BaseException] = None
 
     def _complete(self, works, finish, name) -> PycollWork:

@@ -1,0 +1,267 @@
+#!/usr/bin/env python
+"""The emulated network against its model: pycoll's transfers under ``--link``, measured.
+
+    python bench/emulation.py [--link 50us,1.25GB/s] [--ranks 4] [--sizes 4K,64K,1M,16M,64M]
+        [--reps 5] [--json PATH] [--plot PNG]
+
+Runs each job twice under pycollrun, without and with ``--link``: the collectives job on
+--ranks ranks (in-place allreduce and broadcast, allgather into a given output, and a
+partial all-reduce of every rank on its point-to-point ring), and the parameter-server
+job on --ranks workers and 1 server (ASP, no optimizer: pushes of one worker, then of all
+at once; then pulls likewise). Every repetition starts all ranks at one instant (they
+share this machine's clock); its time is the slowest rank's; tables quote the median.
+
+The model of each row (``pycoll.emulation``; alpha, beta the link's latency and bandwidth,
+n ranks, B bytes):
+  allreduce, partial   2(n-1)(alpha + B/(n beta))     (ring; the partial ring is pycoll's own)
+  allgather            (n-1)(alpha + B/(n beta))      (B: the gathered result)
+  broadcast            ceil(log2 n)(alpha + B/beta)
+  ps push, W pushers   W B/beta                       (a push is done when the server has its
+                                                       last byte: the pushers share its NIC)
+  ps pull, W pullers   2 alpha + W B/beta             (request, then replies from one NIC)
+"checked" rows are those whose model exceeds the time without a link: there the
+emulation must land within 10% of the model ("ok"), elsewhere real work sets the time.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "partial")
+PS = ("ps push", "ps pull")
+
+
+def parse_bytes(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = s.strip().upper().rstrip("B")
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1:] in units else int(s)
+
+
+def human(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- the jobs (under MPI)
+
+def _together(comm) -> float:
+    """One start instant for every rank of ``comm``: the latest clock, plus 2 ms."""
+    from mpi4py import MPI
+    from pycoll import emulation
+    start = comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.002
+    emulation.sleep_until(start)
+    return start
+
+
+def _slowest(comm, start: float) -> float:
+    from mpi4py import MPI
+    return comm.allreduce(time.monotonic() - start, op=MPI.MAX)
+
+
+def collectives_job(args) -> list:
+    import numpy as np
+    import pycoll
+    pycoll.init(partial_cache_after=0)           # the point-to-point ring every time
+    comm, n, rank = pycoll.runtime.world().comm, pycoll.size(), pycoll.rank()
+    rows = []
+    for size in args.sizes:
+        count = max(n, size // 4 // n * n)       # float32, a multiple of n for allgather
+        x = np.empty(count, np.float32)
+        gathered = np.empty(count, np.float32)
+        part = x[:count // n]
+        runs = {"allreduce": lambda: pycoll.allreduce_(x, op=pycoll.Sum),
+                "allgather": lambda: pycoll.allgather(part, out=gathered),
+                "broadcast": lambda: pycoll.broadcast_(x, root=0),
+                "partial": lambda: pycoll.partial_allreduce_(x, list(range(n)), op=pycoll.Sum)}
+        for op in COLLECTIVES:
+            times = []
+            for rep in range(args.reps + 1):                    # the first warms up
+                x.fill(rank + 1)
+                start = _together(comm)
+                runs[op]()
+                took = _slowest(comm, start)
+                if rep:
+                    times.append(took)
+            if op in ("allreduce", "partial") and not np.all(x == n * (n + 1) / 2):
+                raise SystemExit(f"{op} of {size} B: wrong result")
+            rows.append(dict(op=op, bytes=count * 4, pushers=None, times=times))
+    return rows
+
+
+def ps_job(args) -> list:
+    import numpy as np
+    import pycoll
+    import pycoll.ps as ps
+    ps.init(servers=1, policy="asp")             # the server serves here, then exits
+    comm, workers, rank = pycoll.runtime.world().comm, pycoll.size(), pycoll.rank()
+    keys = {f"k{size}": np.ones(size // 4, np.float32) for size in args.sizes}
+    ps.init_params(keys)
+    rows = []
+    for size in args.sizes:
+        name, value = f"k{size}", keys[f"k{size}"]
+        for op, call in (("ps push", lambda: ps.push(name, value).wait()),
+                         ("ps pull", lambda: ps.pull(name, value).wait())):
+            for pushers in sorted({1, workers}):
+                times = []
+                for rep in range(args.reps + 1):
+                    start = _together(comm)
+                    if rank < pushers:
+                        call()
+                    took = _slowest(comm, start)
+                    if rep:
+                        times.append(took)
+                rows.append(dict(op=op, bytes=value.nbytes, pushers=pushers, times=times))
+    ps.shutdown()
+    return rows
+
+
+def worker(args) -> None:
+    rows = (collectives_job if args.worker == "collectives" else ps_job)(args)
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+
+
+# ---------------------------------------------------------------- the driver
+
+def run_job(kind: str, args, link, out: str) -> list:
+    ranks = args.ranks + (1 if kind == "ps" else 0)
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "pycollrun.py"), "-np", str(ranks)]
+    if kind == "ps":
+        cmd += ["--servers", "1"]
+    if link:
+        cmd += ["--link", link]
+    cmd += ["python", os.path.abspath(__file__), "--worker", kind, "--out", out,
+            "--sizes", ",".join(map(str, args.sizes)), "--reps", str(args.reps)]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYCOLL_", "OMPI_COMM_", "PMIX_", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def model_time(op: str, n: int, nbytes: int, pushers, latency: float, bandwidth: float) -> float:
+    from pycoll import emulation
+    if op == "partial":
+        return emulation.collective_time("allreduce", n, nbytes, latency, bandwidth)
+    if op in COLLECTIVES:
+        return emulation.collective_time(op, n, nbytes, latency, bandwidth)
+    if op == "ps push":
+        return pushers * nbytes / bandwidth
+    return 2 * latency + pushers * nbytes / bandwidth
+
+
+def combine(args, real: list, emulated: list) -> list:
+    from pycoll import emulation
+    latency, bandwidth = emulation.parse_link(args.link).of(0)
+    rows = []
+    for plain, paced in zip(real, emulated):
+        assert (plain["op"], plain["bytes"], plain["pushers"]) == \
+            (paced["op"], paced["bytes"], paced["pushers"])
+        model = model_time(paced["op"], args.ranks, paced["bytes"], paced["pushers"],
+                           latency, bandwidth)
+        real_s, measured = statistics.median(plain["times"]), statistics.median(paced["times"])
+        checked = model > real_s
+        rows.append(dict(op=paced["op"], bytes=paced["bytes"], pushers=paced["pushers"],
+                         real_ms=real_s * 1e3, model_ms=model * 1e3, measured_ms=measured * 1e3,
+                         ratio=measured / model if model else math.inf, checked=checked,
+                         ok=(not checked) or abs(measured / model - 1) <= 0.10,
+                         real_times=plain["times"], measured_times=paced["times"]))
+    return rows
+
+
+def print_table(args, rows: list) -> None:
+    print(f"# pycoll emulation: --link {args.link}; {args.ranks} ranks (PS: {args.ranks} "
+          f"workers + 1 server); medians of {args.reps}; times in ms")
+    print(f"{'op':<10} {'W':>2} {'size':>9} {'no link':>9} {'model':>9} {'measured':>9} "
+          f"{'meas/model':>10}  within 10%")
+    for r in rows:
+        verdict = ("ok" if r["ok"] else "OUT") if r["checked"] else "- (real > model)"
+        print(f"{r['op']:<10} {r['pushers'] or '':>2} {human(r['bytes']):>9} "
+              f"{r['real_ms']:9.3f} {r['model_ms']:9.3f} {r['measured_ms']:9.3f} "
+              f"{r['ratio']:10.3f}  {verdict}")
+    checked = [r for r in rows if r["checked"]]
+    print(f"# {sum(r['ok'] for r in checked)} of {len(checked)} checked rows within 10% of "
+          "the model")
+
+
+def plot(rows: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(op, None) for op in COLLECTIVES] + [(op, None) for op in PS]
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8))
+    for ax, (op, _) in zip(axes.flat, panels):
+        groups = sorted({r["pushers"] for r in rows if r["op"] == op}, key=lambda p: p or 0)
+        for k, pushers in enumerate(groups):
+            mine = [r for r in rows if r["op"] == op and r["pushers"] == pushers]
+            if not mine:
+                continue
+            x = [r["bytes"] for r in mine]
+            label = f" ({pushers} pusher{'s' if pushers > 1 else ''})" if pushers else ""
+            color = f"C{k}"
+            ax.plot(x, [r["model_ms"] for r in mine], "-", color=color, label="model" + label)
+            ax.plot(x, [r["measured_ms"] for r in mine], "o", color=color,
+                    label="measured, --link" + label)
+            ax.plot(x, [r["real_ms"] for r in mine], "x:", color=color, alpha=0.6,
+                    label="no link" + label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("ms")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--link", default="50us,1.25GB/s", help="the emulated link (10 GbE here)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks (PS: workers, plus 1 server)")
+    p.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="comma-separated, e.g. 4K,1M")
+    p.add_argument("--reps", type=int, default=5, help="repetitions (median)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--worker", choices=("collectives", "ps"), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("collectives", "ps"):
+            real = run_job(kind, args, None, os.path.join(tmp, f"{kind}-real.json"))
+            paced = run_job(kind, args, args.link, os.path.join(tmp, f"{kind}-link.json"))
+            rows += combine(args, real, paced)
+    print_table(args, rows)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=dict(link=args.link, ranks=args.ranks, reps=args.reps,
+                                     cpus=os.cpu_count(), host=os.uname().nodename), rows=rows),
+                      f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, f"pycoll under --link {args.link}, {args.ranks} ranks: "
+                              "measured against the alpha-beta model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1221 @@
+"""Cluster emulation on one machine: links with latency and bandwidth (``--link``).
+
+    pycollrun -np 4 --link 50us,1.25GB/s python train.py       # or PYCOLL_LINK, init(link=)
+    pycollrun -np 4 --link 50us,1.25GB/s,3:1ms,125MB/s ...     # rank 3 has a slower NIC
+
+Here MPI moves bytes through shared memory at memory speed. With a link set, every
+transfer pycoll makes takes at least the time the alpha-beta model gives it: the real
+transfer runs first, then the caller sleeps (no CPU burned) until the modelled time has
+passed, so overlap of communication with compute shows as it would on a network.
+
+- Collectives cost the standard alpha-beta time of their algorithm (``collective_time``),
+  paced by the group's slowest link. Each member writes its entry (time, link, bytes) to
+  a shared-memory file before the real collective and reads the others' after it, so
+  every member computes the same start (the latest entry) and cost and they leave
+  together.
+- Point-to-point messages (partial all-reduce's ring, the parameter server, torch
+  send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
+  for egress and one for ingress. A sender puts a message on its egress when it posts
+  it; the receiver takes messages into its ingress in the order it takes them, each no
+  earlier than its sender put it on the wire, so N senders into one receiver share its
+  bandwidth (incast). A receive completes ``alpha`` after its last byte is in; a send
+  when the receiver has taken its last byte (as MPI's rendezvous protocol, and the
+  standard mode's rules, allow), so incast holds senders back too. A communicator gets
+  this by ``p2p(comm)``: a subclass whose sends and receives hold their requests (MPI
+  generalized requests) until the modelled times. Ranks tell each other about messages
+  through one FIFO per rank in /dev/shm: a SENT record before the real message, a TAKEN
+  record back.
+
+Without a link none of this runs: ``p2p`` returns the communicator itself and the
+collectives' hooks read one knob.
+"""
+import atexit
+import collections
+import ctypes
+import errno
+import functools
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import mmap
+import numbers
+import os
+import re
+import select
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from typing import Dict, Optional, Tuple
+
+from . import config
+
+log = logging.getLogger("pycoll")
+
+# ---------------------------------------------------------------- parsing
+
+_LATENCY = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+           "Ki": 2.0 ** 10, "Mi": 2.0 ** 20, "Gi": 2.0 ** 30, "Ti": 2.0 ** 40}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(\S*)\s*$")
+
+
+def parse_latency(text: str) -> float:
+    """``"50us"`` -> 5e-05 seconds (ns, us, ms, s; a bare 0 is allowed)."""
+    match = _QUANTITY.match(str(text))
+    if match and match.group(2) in _LATENCY:
+        return float(match.group(1)) * _LATENCY[match.group(2)]
+    if match and not match.group(2) and float(match.group(1)) == 0:
+        return 0.0
+    raise ValueError(f"latency {text!r} is not a time like 50us, 1.5ms or 0")
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"1.25GB/s"`` -> 1.25e9 bytes/s. B is bytes, b or bit is bits; K, M, G, T are
+    powers of 1000, Ki, Mi, Gi of 1024: ``10Gb/s`` = ``10Gbit/s`` = ``1.25GB/s``."""
+    match = _QUANTITY.match(str(text))
+    unit = match.group(2) if match else ""
+    for suffix, per in (("B/s", 1.0), ("bit/s", 0.125), ("b/s", 0.125), ("bps", 0.125)):
+        if unit.endswith(suffix) and unit[:-len(suffix)] in _PREFIX:
+            value = float(match.group(1)) * _PREFIX[unit[:-len(suffix)]] * per
+            if value > 0:
+                return value
+    raise ValueError(f"bandwidth {text!r} is not a positive rate like 1.25GB/s, 10Gb/s "
+                     "or 100MiB/s")
+
+
+class Links(dict):
+    """The parsed ``link`` knob: ``{rank: (latency s, bandwidth B/s)}`` for the ranks given
+    their own link, and ``default`` for the others (None: an ideal link, no cost)."""
+
+    def __init__(self, default: Optional[Tuple[float, float]] = None, ranks=()):
+        super().__init__(ranks)
+        self.default = default
+
+    def of(self, rank: int) -> Tuple[float, float]:
+        """(latency, bandwidth) of ``rank``'s link."""
+        return self.get(rank, self.default or (0.0, math.inf))
+
+    def __bool__(self) -> bool:          # a link of rank 3 alone still emulates
+        return self.default is not None or len(self) > 0
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Links) and dict.__eq__(self, other)
+                and self.default == other.default)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        def one(link):
+            return f"{link[0] * 1e6:g}us,{link[1] / 1e6:g}MB/s"
+        parts = ([one(self.default)] if self.default else []) + [
+            f"{rank}:{one(link)}" for rank, link in sorted(self.items())]
+        return f"Links({','.join(parts)!r})"
+
+
+def parse_link(text) -> Optional[Links]:
+    """``"50us,1.25GB/s"`` -> every rank's link; ``"3:1ms,125MB/s"`` -> rank 3's; several
+    entries comma-separated, e.g. ``"50us,1.25GB/s,3:1ms,125MB/s"``. ``""``, ``"0"``,
+    ``"off"`` or ``"none"``: no emulation (None)."""
+    if isinstance(text, Links):
+        return text
+    if isinstance(text, (tuple, list)) and len(text) == 2 and not isinstance(text[0], str):
+        return Links((float(text[0]), float(text[1])))     # init(link=(50e-6, 1.25e9))
+    text = str(text).strip()
+    if text.lower() in ("", "0", "off", "none", "no"):
+        return None
+    tokens = [token.strip() for token in text.split(",")]
+    if len(tokens) % 2 or not all(tokens):
+        raise ValueError(f"link {text!r} is not [RANK:]LATENCY,BANDWIDTH[,...], "
+                         "e.g. 50us,1.25GB/s or 50us,1.25GB/s,3:1ms,125MB/s")
+    links = Links()
+    for latency, bandwidth in zip(tokens[::2], tokens[1::2]):
+        rank, sep, latency = latency.rpartition(":")
+        link = (parse_latency(latency), parse_bandwidth(bandwidth))
+        if not sep:
+            if links.default is not None:
+                raise ValueError(f"link {text!r}: two entries without a rank; name the "
+                                 "rank of the second, e.g. 3:1ms,125MB/s")
+            links.default = link
+            continue
+        try:
+            rank = int(rank)
+        except ValueError:
+            rank = -1
+        if rank < 0:
+            raise ValueError(f"link {text!r}: {rank!r} is not a rank; per-rank entries are "
+                             "RANK:LATENCY,BANDWIDTH, e.g. 3:1ms,125MB/s")
+        links[rank] = link
+    return links
+
+
+# ---------------------------------------------------------------- the model
+
+def transfer_time(nbytes: float, latency: float, bandwidth: float) -> float:
+    """One point-to-point message on an idle link: alpha + bytes / beta."""
+    return latency + nbytes / bandwidth
+
+
+def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth: float) -> float:
+    """The alpha-beta cost of collective ``kind`` over ``n`` ranks. ``nbytes``: the
+    tensor of an allreduce or broadcast, the full result of an allgather, the full input
+    of a reduce-scatter, the most one rank sends in an alltoall.
+
+    ring allreduce 2(n-1)(alpha + B/(n beta)); allgather, reduce-scatter and pairwise
+    alltoall (n-1)(alpha + B/(n beta)); binomial-tree broadcast ceil(log2 n)(alpha + B/beta);
+    barrier ceil(log2 n) alpha."""
+    if n <= 1:
+        return 0.0
+    rounds = math.ceil(math.log2(n))
+    if kind == "allreduce":
+        return 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
+    if kind in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) * (latency + nbytes / (n * bandwidth))
+    if kind == "broadcast":
+        return rounds * (latency + nbytes / bandwidth)
+    if kind == "barrier":
+        return rounds * latency
+    raise ValueError(f"no cost model for collective {kind!r}")
+
+
+def link_of(rank: Optional[int] = None) -> Tuple[float, float]:
+    """(latency, bandwidth) of ``rank``'s (default: this rank's) link; (0, inf) without
+    emulation."""
+    links = config.get("link")
+    if not links:
+        return 0.0, math.inf
+    return parse_link(links).of(_world_rank() if rank is None else rank)
+
+
+# ---------------------------------------------------------------- waiting
+
+# time.sleep wakes 35-90 us late here even with a 1 ns timer slack: the last stretch
+# before a deadline is spent yielding the core instead, so small transfers stay on time.
+SPIN_S = 100e-6
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+
+
+def _precise_timers() -> None:
+    """Ask Linux for wake-ups on time (a 1 ns timer slack, not 50 us) in this thread."""
+    if getattr(_slack, "set", False):
+        return
+    _slack.set = True
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def sleep_until(deadline: float) -> None:
+    """Return at ``deadline`` (time.monotonic()), sleeping until the last SPIN_S."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return
+    _precise_timers()
+    if left > SPIN_S:
+        time.sleep(left - SPIN_S)
+    while time.monotonic() < deadline:
+        time.sleep(0)                    # yields the GIL and the core
+
+
+# ---------------------------------------------------------------- collectives
+
+def _world_rank() -> int:
+    from . import hetero
+    return hetero._rank()
+
+
+class _Slots:
+    """Each world rank's entries into its latest collectives, in a file in shared memory
+    that every rank maps: SLOTS per rank, each (key, entry time, latency, 1/bandwidth,
+    bytes). A rank writes only its own, the key last; the others read them."""
+
+    SLOTS = 64
+
+    def __init__(self, path: str, size: int):
+        import numpy as np
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            nbytes = size * self.SLOTS * 5 * 8
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)          # zeros; every rank asks for the same size
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.values = np.frombuffer(self.map, np.float64).reshape(size, self.SLOTS, 5)
+        self.keys = np.frombuffer(self.map, np.int64).reshape(size, self.SLOTS, 5)[:, :, 0]
+
+
+class _Group:
+    """What a communicator's emulated collectives need: its members' world ranks, an id
+    every member agrees on, and how many collectives it has run."""
+
+    def __init__(self, comm, cid: int):
+        from mpi4py import MPI
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            self.world = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        finally:
+            group.Free()
+            world.Free()
+        self.comm, self.cid, self.count = comm, cid, 0
+        self.me = MPI.COMM_WORLD.Get_rank()
+        self.links = self.link = None
+
+    def my_link(self) -> tuple:
+        """(latency, 1/bandwidth) of this rank, parsed again only when the knob changes."""
+        links = config.get("link")
+        if links is not self.links:
+            latency, bandwidth = parse_link(links).of(self.me)
+            self.links, self.link = links, (latency, 1.0 / bandwidth)
+        return self.link
+
+
+_groups: Dict[int, _Group] = {}
+_next_cid = 1
+_slots: Optional[_Slots] = None
+
+
+def _group(comm) -> _Group:
+    """``comm``'s record, made at its first emulated collective: one small allreduce
+    there agrees on its id (the members run their collectives on it in one order)."""
+    global _next_cid, _slots
+    found = _groups.get(id(comm))
+    if found is None or found.comm is not comm:
+        from mpi4py import MPI
+        cid = comm.allreduce(_next_cid, op=MPI.MAX)
+        _next_cid = cid + 1
+        found = _groups[id(comm)] = _Group(comm, cid)
+        if _slots is None:
+            _slots = _Slots(os.path.join(_job().dir, "collectives"), MPI.COMM_WORLD.Get_size())
+    return found
+
+
+def _enter(comm, nbytes: int, issued: float = math.inf):
+    """Before a collective on ``comm``: this rank's entry (when it was issued, but not
+    before this rank's previous one ended; its link, its bytes) where the other members
+    can read it; None for a group of one."""
+    now = time.monotonic()
+    if comm.Get_size() <= 1:
+        return None
+    if getattr(_called, "at", None) is not None:
+        issued, _called.at = min(issued, _called.at), None
+    group = _group(comm)
+    group.count += 1
+    key = hash((group.cid, group.count)) & (2**62 - 1) or 1
+    slot = group.count % _Slots.SLOTS
+    _slots.values[group.me, slot, 1:] = (max(min(issued, now), _last_end[0]),
+                                         *group.my_link(), float(nbytes))
+    _slots.keys[group.me, slot] = key                     # last: the entry is complete
+    return group, key, slot
+
+
+_last_end = [0.0]           # when this rank's latest emulated collective ended
+_called = threading.local()
+
+
+def called() -> None:
+    """A blocking collective was called in this thread (past the short path, which does
+    not run under a link): its modelled time runs from here."""
+    if config.get("link"):
+        _called.at = time.monotonic()
+
+
+def _leave(entry, kind: str) -> None:
+    """After the real collective: sleep until the modelled end, the latest member's entry
+    plus the cost at the slowest member's link (the same on every member)."""
+    if entry is None:
+        return
+    group, key, slot = entry
+    keys, values = _slots.keys[:, slot].tolist(), _slots.values[:, slot]
+    if any(keys[m] != key for m in group.world):
+        deadline, delay = time.monotonic() + config.get("timeout"), 0.0
+        while any(_slots.keys[m, slot] != key for m in group.world):
+            if time.monotonic() > deadline:    # a member never came: the real call says so
+                return
+            time.sleep(delay)          # a broadcast's root can finish before the others
+            delay = min(max(2 * delay, 1e-5), 1e-3)    # come; in the model all leave together
+    rows = values[group.world].tolist()
+    start = max(row[1] for row in rows)
+    latency = max(row[2] for row in rows)
+    slowest = max(row[3] for row in rows)
+    total = sum(row[4] for row in rows) if kind == "allgather" else max(row[4] for row in rows)
+    bandwidth = 1.0 / slowest if slowest > 0 else math.inf
+    sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
+    _last_end[0] = time.monotonic()
+
+
+def modelled(kind: str, what):
+    """Decorator of a function that runs one collective ``kind``: with a link set it
+    costs the modelled time. ``what(*args)`` -> (communicator, nbytes)."""
+    def decorate(run):
+        @functools.wraps(run)
+        def emulated(*args):
+            if not config.get("link"):
+                return run(*args)
+            entry = _enter(*what(*args))
+            result = run(*args)
+            _leave(entry, kind)
+            return result
+        return emulated
+    return decorate
+
+
+def timed(kind: str, comm, nbytes: int, run):
+    """``run`` (a collective's thunk), costing the modelled time of ``kind`` when a link
+    is set; ``run`` itself otherwise."""
+    if not config.get("link"):
+        return run
+    issued = time.monotonic()               # planned in the caller's thread: its call
+
+    def emulated():
+        entry = _enter(comm, nbytes, issued)
+        result = run()
+        _leave(entry, kind)
+        return result
+    return emulated
+
+
+# ---------------------------------------------------------------- point to point
+
+# SENT (sender -> receiver): kind, communicator id, sender's rank in it, tag; when the
+# message's first and last byte left the sender's NIC, how long it occupies a NIC (-1:
+# sent to itself), its latency. TAKEN (receiver -> sender): kind, communicator id, the
+# receiver's rank in it, tag, when the receiver had its last byte.
+_RECORD = struct.Struct("<Bqiidddd")
+_SENT, _TAKEN = 0, 1
+_RECORDS_PER_READ = 65520 // _RECORD.size
+_POLL_MIN, _POLL_MAX = 20e-6, 1e-3
+# The thread that releases held requests spins less than sleep_until does: it runs once
+# per message, and those who wait on the requests poll with their own delays anyway.
+_PUMP_SPIN_S = 30e-6
+_FALLBACK_S = 0.01
+
+
+def _job_name() -> str:
+    """A name this job's ranks share on this machine, from the launcher's variables."""
+    for name in ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid",
+                 "PMI_KVSNAME", "SLURM_JOB_ID"):
+        value = os.environ.get(name)
+        if value:
+            step = os.environ.get("SLURM_STEP_ID", "") if name == "SLURM_JOB_ID" else ""
+            return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{value}.{step}" if step else value)
+    return f"ppid{os.getppid()}"        # every rank here is a child of one launcher daemon
+
+
+class _Entry:
+    """A send or receive whose completion waits for its modelled time: behind a
+    generalized request (Isend, Irecv), or a blocking Send waiting on ``event``."""
+    __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
+                 "cancelled", "keep", "taken", "event", "queued", "asked")
+
+    def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
+        self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
+        self.grequest = self.taken = self.event = None
+        self.source = self.tag = -1
+        self.count = 0
+        self.cancelled = self.queued = False
+        self.asked = None               # a receive: (cid, source, tag) as posted (ANY: -1)
+
+
+def _query(status, entry: _Entry) -> None:
+    from mpi4py import MPI
+    status.Set_source(entry.source)
+    status.Set_tag(entry.tag)
+    status.Set_elements(MPI.BYTE, entry.count)
+    status.Set_cancelled(entry.cancelled)
+
+
+def _free(entry: _Entry) -> None:
+    entry.keep = None
+
+
+def _cancel(completed: bool, entry: _Entry) -> None:
+    if not completed:
+        _emulator().cancelled(entry)
+
+
+class _PickledReceive:
+    """``comm.irecv()``'s request. The emulation thread takes the message (so its sender's
+    TAKEN record does not wait for this rank to look); ``test()`` and ``wait()`` give the
+    object once it has arrived in the model."""
+
+    def __init__(self, request, emulator, cid: int):
+        self._request, self._emulator, self._cid = request, emulator, cid
+        self._taken = threading.Event()
+        self._due = self._value = None
+        self._source = self._tag = -1
+        emulator.watch(self)
+
+    def _poll(self, status) -> bool:
+        """In the emulation thread: whether the message has come (then it is taken)."""
+        flag, value = self._request.test(status)
+        if flag:
+            self._value, self._source, self._tag = value, status.Get_source(), status.Get_tag()
+            self._due = self._emulator.arrival((self._cid, self._source, self._tag))
+            self._taken.set()
+        return flag
+
+    def _status(self, status) -> None:
+        if status is not None:
+            status.source, status.tag = self._source, self._tag
+
+    def test(self, status=None):
+        if not self._taken.is_set() or (self._due is not None and time.monotonic() < self._due):
+            return False, None
+        self._status(status)
+        return True, self._value
+
+    def wait(self, status=None):
+        self._taken.wait()
+        if self._due is not None:
+            sleep_until(self._due)
+        self._status(status)
+        return self._value
+
+    def Test(self, status=None) -> bool:
+        return self.test(status)[0]
+
+    def Wait(self, status=None) -> None:
+        self.wait(status)
+
+    def cancel(self) -> None:
+        self._request.Cancel()          # the thread's next test completes it
+
+    Cancel = cancel
+
+
+class _Emulator:
+    """This process's side of point-to-point emulation: its NIC (when its egress and
+    ingress are next free), the FIFO through which other ranks tell it about messages,
+    and the thread that completes the held requests on time.
+
+    A sender puts a message on its egress (FIFO, from when it is posted) and writes a
+    SENT record to the receiver's FIFO before posting the real message. The receiver,
+    when it takes the message, books its ingress (FIFO in the order it takes messages,
+    from when the sender put it on the wire), so the receive completes ``latency`` after
+    the last byte is in, and answers a TAKEN record: the send completes when the
+    receiver has taken its last byte (MPI's standard mode allows a send to wait for its
+    receive). Under incast the senders therefore finish in turn too."""
+
+    def __init__(self):
+        from mpi4py import MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("--link emulation of point-to-point messages needs "
+                               "MPI_THREAD_MULTIPLE (mpi4py's default); MPI was initialized "
+                               "with less")
+        world = MPI.COMM_WORLD
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
+        if local and int(local) != self.size:
+            raise RuntimeError(f"--link emulates a cluster on one machine, but this job's "
+                               f"{self.size} ranks run on several ({local} here)")
+        self.dir = _job().dir
+        self.fifo = self._fifo_path(self.rank)
+        try:
+            os.mkfifo(self.fifo, 0o600)
+        except FileExistsError:
+            pass
+        self.records_fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.egress_free = self.ingress_free = 0.0      # when this rank's NIC is next free
+        self.egress_lock = threading.Lock()
+        self.lock = threading.Lock()                    # the rest, between threads
+        self.comms: Dict[int, tuple] = {}               # cid -> (world ranks, this rank's)
+        self.records: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.taken: list = []                           # TAKEN records the thread matches
+        self.outbox: Dict[int, list] = {}               # the thread's, to send: peer -> records
+        self.untaken: Dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        self.new: list = []               # held requests the thread has not seen yet
+        self.cancels: list = []
+        self.sending: list = []           # heap of (due, order, entry): taken sends to test
+        self.late_sends: list = []        # due, but MPI has not finished them
+        # receives MPI has not matched yet, by (cid, source, tag) as posted (ANY_SOURCE
+        # and ANY_TAG stay -1), each queue in posting order: MPI matches them in that order
+        self.receiving: Dict[tuple, collections.deque] = {}
+        self.tracking = False             # whether the thread knows of receives
+        self.pickled: list = []           # comm.irecv()'s, likewise
+        self.due: list = []               # heap of (due, order, entry): done, to release
+        self.statuses: list = []
+        self.status = MPI.Status()
+        self.order = itertools.count()
+        self.next_wake = 0.0
+        self.peers: Dict[int, Optional[int]] = {}     # world rank -> write end of its FIFO
+        self.closed = self.broken = False
+        self.fallback = 0.0             # when receives are tested next without a record
+        self.thread = threading.Thread(target=self._loop, name="pycoll-link", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def _fifo_path(self, rank: int) -> str:
+        return os.path.join(self.dir, f"rank-{rank}.fifo")
+
+    def _write(self, dst: int, record: bytes) -> bool:
+        """Put ``record`` in world rank ``dst``'s FIFO; False if it cannot be reached."""
+        fd = self._peer(dst)
+        if fd is None:
+            return False
+        try:
+            os.write(fd, record)
+            return True
+        except OSError as err:          # the peer has exited
+            log.debug("pycoll: --link cannot reach rank %d: %s", dst, err)
+            self.peers[dst] = None
+            return False
+
+    def _peer(self, dst: int) -> Optional[int]:
+        if dst in self.peers:
+            return self.peers[dst]
+        deadline = time.monotonic() + 30.0      # the peer makes its FIFO when it starts
+        while True:
+            try:
+                fd = os.open(self._fifo_path(dst), os.O_WRONLY | os.O_NONBLOCK)
+                os.set_blocking(fd, True)
+                break
+            except OSError as err:
+                if err.errno not in (errno.ENOENT, errno.ENXIO) or time.monotonic() > deadline:
+                    log.warning("pycoll: --link cannot reach rank %d's FIFO (%s); its "
+                                "messages from here arrive unpaced", dst, err)
+                    fd = None
+                    break
+                time.sleep(1e-3)
+        self.peers[dst] = fd
+        return fd
+
+    # ------------------------------------------------------------ the sender's side
+    def post(self, entry: _Entry, cid: int, src: int, dst: int, peer: int, tag: int,
+             nbytes: int, link: Tuple[float, float]) -> None:
+        """Before the real message of ``entry`` is posted: put ``nbytes`` from this rank
+        (``src`` in communicator ``cid``) to ``dst`` (world rank ``peer``) on this rank's
+        egress, tell the receiver, and wait for its TAKEN record (``entry.due``: when the
+        last byte leaves; ``entry.taken``: when the receiver has it, None until then)."""
+        latency, bandwidth = link
+        if peer == self.rank:                    # to itself: no NIC, no cost, no answer
+            entry.due = start = time.monotonic()
+            self._write(peer, _RECORD.pack(_SENT, cid, src, tag, start, start, -1.0, 0.0))
+            entry.taken = start
+            return
+        duration = nbytes / bandwidth
+        with self.egress_lock:
+            start = max(time.monotonic(), self.egress_free)
+            entry.due = self.egress_free = start + duration
+        with self.lock:
+            self.untaken[cid, dst, tag].append(entry)
+        if not self._write(peer, _RECORD.pack(_SENT, cid, src, tag, start, entry.due,
+                                              duration, latency)):
+            with self.lock:
+                self.untaken[cid, dst, tag].remove(entry)
+            entry.taken = entry.due              # unreachable: unpaced beyond its egress
+
+    # ------------------------------------------------------------ the receiver's side
+    def _read_records(self) -> None:
+        """Move the records waiting in this rank's FIFO into ``records`` and ``taken``
+        (lock held)."""
+        answered = False
+        while True:
+            try:
+                data = os.read(self.records_fd, _RECORDS_PER_READ * _RECORD.size)
+            except BlockingIOError:
+                break
+            for kind, cid, rank, tag, *times in _RECORD.iter_unpack(data):
+                if kind == _SENT:
+                    self.records[cid, rank, tag].append(times)
+                else:
+                    self.taken.append(((cid, rank, tag), times[0]))
+                    answered = True
+            if len(data) < _RECORDS_PER_READ * _RECORD.size:
+                break
+        if answered and threading.current_thread() is not self.thread:
+            self.wake()                 # the thread matches TAKEN records with sends
+
+    def arrival(self, key: tuple, defer: bool = False) -> Optional[float]:
+        """When the message that this rank has just taken, from ``key`` = (cid, source,
+        tag), has arrived: it goes through this rank's ingress, FIFO in the order this
+        rank takes messages, from when its sender put it on the wire, and arrives
+        ``latency`` after its last byte. None for a message that was not booked.
+        ``defer``: the thread sends the TAKEN record with the others of its pass."""
+        with self.lock:
+            self._read_records()
+            queue = self.records.get(key)
+            if not queue:
+                return None
+            start, end, duration, latency = queue.popleft()
+            if not queue:
+                del self.records[key]
+            if duration < 0:                     # from this rank itself
+                return end
+            start = max(start, self.ingress_free)
+            taken = self.ingress_free = max(start + duration, end)
+            world, me = self.comms[key[0]]
+        record = _RECORD.pack(_TAKEN, key[0], me, key[2], taken, 0, 0, 0)
+        if defer:
+            self.outbox.setdefault(world[key[1]], []).append(record)
+        else:
+            self._write(world[key[1]], record)
+        return taken + latency
+
+    def _flush(self) -> None:
+        """The thread's TAKEN records of one pass: one write per peer (up to PIPE_BUF
+        bytes, which a FIFO writes whole)."""
+        per_write = 4096 // _RECORD.size
+        for peer, records in self.outbox.items():
+            for i in range(0, len(records), per_write):
+                self._write(peer, b"".join(records[i:i + per_write]))
+        self.outbox.clear()
+
+    # ------------------------------------------------------------ held requests
+    def hold(self, entry: _Entry):
+        """A generalized request that completes once ``entry``'s real request has and its
+        modelled time has come."""
+        from mpi4py import MPI
+        entry.grequest = grequest = MPI.Grequest.Start(_query, _free, _cancel, args=(entry,))
+        with self.lock:
+            self.new.append(entry)
+            wake = entry.taken is not None if entry.send else not self.tracking
+        # Otherwise a record (SENT or TAKEN) brings the wake-up; a thread that knows of
+        # receives also looks at least every FALLBACK_S, and polls while records wait.
+        if wake:
+            self.wake()
+        return grequest                 # (the thread drops entry.grequest once complete)
+
+    def wait_taken(self, entry: _Entry) -> None:
+        """A blocking send: until the receiver has taken it (at most PYCOLL_TIMEOUT)."""
+        if entry.taken is None:
+            entry.event = threading.Event()
+            with self.lock:
+                known = entry.taken is not None
+            if not known:
+                self.wake()
+                if not entry.event.wait(config.get("timeout")):
+                    log.warning("pycoll: --link: a send was not received within "
+                                "PYCOLL_TIMEOUT; it completes unpaced")
+                    entry.taken = entry.due
+        sleep_until(max(entry.due, entry.taken))
+
+    def watch(self, receive: _PickledReceive) -> None:
+        with self.lock:
+            self.new.append(receive)
+        self.wake()
+
+    def cancelled(self, entry: _Entry) -> None:
+        with self.lock:
+            self.cancels.append(entry)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"!")
+        except BlockingIOError:
+            pass                        # already pending
+
+    def _loop(self) -> None:
+        """Complete each held request once its real request has completed and its
+        modelled time has come. Sleeps until the next due time, or on the FIFO and the
+        wake-up pipe; polls real requests (backing off to 1 ms) only while one is later
+        than its model."""
+        from mpi4py import MPI
+        _precise_timers()
+        poll = _POLL_MIN
+        while not self.closed:
+            with self.lock:
+                self._read_records()
+                new, self.new = self.new, []
+                cancels, self.cancels = self.cancels, []
+                taken, self.taken = self.taken, []
+                waiting = list(self.records)     # messages on their way to this rank
+                matched = []
+                for key, when in taken:          # in the order the sends were posted
+                    queue = self.untaken.get(key)
+                    if queue:
+                        matched.append((queue.popleft(), when))
+                        if not queue:
+                            del self.untaken[key]
+            try:
+                for entry in new:
+                    if isinstance(entry, _PickledReceive):
+                        self.pickled.append(entry)
+                        continue
+                    entry.queued = True
+                    if not entry.send:
+                        self.receiving.setdefault(entry.asked, collections.deque()).append(entry)
+                    elif entry.taken is not None:
+                        self._taken(entry)
+                for entry, when in matched:
+                    entry.taken = when
+                    if entry.event is not None:
+                        entry.event.set()
+                    elif entry.queued:
+                        self._taken(entry)
+                for entry in cancels:
+                    self._cancel_real(entry)
+                moved, late = self._step(waiting)
+                self._flush()
+            except Exception:                                # noqa: BLE001
+                if MPI.Is_finalized():
+                    return
+                # Never die: a dead thread would leave every held request waiting. From
+                # here on requests complete with their real ones, unpaced.
+                if not self.broken:
+                    log.exception("pycoll: --link emulation failed; messages from now on "
+                                  "are not paced")
+                self.broken, moved, late = True, True, True
+                self._release_all()
+            poll = _POLL_MIN if moved else min(2 * poll, _POLL_MAX)
+            now = time.monotonic()
+            wake = min(self.sending[0][0] if self.sending else math.inf,
+                       self.due[0][0] if self.due else math.inf,
+                       self.fallback if self.receiving or self.pickled else math.inf,
+                       now + poll if late else math.inf)
+            with self.lock:
+                self.next_wake = wake
+                self.tracking = bool(self.receiving or self.pickled)
+                if self.new or self.cancels or self.taken:
+                    continue
+            wait = wake - now
+            if wait <= _PUMP_SPIN_S:
+                time.sleep(0)
+                wait = 0.0
+            else:
+                wait = None if wait == math.inf else wait - _PUMP_SPIN_S
+            ready, _, _ = select.select([self.wake_r, self.records_fd], [], [], wait)
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 4096)
+                except BlockingIOError:
+                    pass
+
+    def _taken(self, entry: _Entry) -> None:
+        """A held send whose receiver has taken it: tested when both its last byte has
+        left and the receiver has it."""
+        heapq.heappush(self.sending, (max(entry.due, entry.taken), next(self.order), entry))
+
+    def _candidates(self, waiting) -> list:
+        """The receive queues that could take the messages whose records wait."""
+        found = []
+        for cid, src, tag in waiting:
+            for key in ((cid, src, tag), (cid, -1, tag), (cid, src, -1), (cid, -1, -1)):
+                if key in self.receiving and key not in found:
+                    found.append(key)
+        return found
+
+    def _take(self, key: tuple, now: float, every: bool = False) -> bool:
+        """Test the receives of queue ``key`` in posting order, up to the first still
+        waiting (``every``: all of them); release the completed."""
+        from mpi4py import MPI
+        queue, moved = self.receiving[key], False
+        for entry in list(queue):
+            if entry.real is not None:
+                if not entry.real.Test(self.status):
+                    if every:
+                        continue
+                    break
+                status = self.status
+                entry.real = None
+                entry.source, entry.tag = status.Get_source(), status.Get_tag()
+                entry.count = status.Get_count(MPI.BYTE)
+                entry.cancelled = status.Is_cancelled()
+                entry.due = self.arrival((entry.cid, entry.source, entry.tag), defer=True)
+                heapq.heappush(self.due, (entry.due or now, next(self.order), entry))
+            queue.remove(entry)
+            moved = True
+        if not queue:
+            del self.receiving[key]
+        return moved
+
+    def _step(self, waiting):
+        """Advance the held requests: (whether any completed, whether a real request is
+        later than its model). ``waiting``: the keys of the records of messages to this
+        rank that no receive has taken yet."""
+        moved, late, now = False, False, time.monotonic()
+        if self.broken:
+            self._release_all()
+            return False, bool(self.receiving or self.pickled or self.late_sends or self.sending
+                               or self.due)
+        # A receive can only have completed once its message's record came: the sender
+        # writes it first. So for each record waiting, the first receive posted that could
+        # take it is tested (and the next, while they complete); all of them every
+        # FALLBACK_S, in case a message came unbooked.
+        if self.receiving:
+            every = now >= self.fallback
+            if every:
+                self.fallback = now + _FALLBACK_S
+            for key in list(self.receiving) if every else self._candidates(waiting):
+                moved |= self._take(key, now, every)
+            late = bool(waiting) and bool(self.receiving)
+        if self.pickled and (waiting or now >= self.fallback):
+            self.fallback = now + _FALLBACK_S
+            self.pickled = [p for p in self.pickled if not p._poll(self.status)]
+            late |= bool(self.pickled) and bool(waiting)
+        while self.sending and self.sending[0][0] <= now:      # sends are tested when due
+            entry = heapq.heappop(self.sending)[2]
+            if entry.real is not None:
+                self.late_sends.append(entry)
+        if self.late_sends:
+            for entry in self.late_sends:
+                if entry.real is not None and entry.real.Test():
+                    entry.real = None
+                    heapq.heappush(self.due, (now, next(self.order), entry))
+            self.late_sends = [e for e in self.late_sends if e.real is not None]
+            late |= bool(self.late_sends)
+        while self.due and self.due[0][0] <= now:
+            entry = heapq.heappop(self.due)[2]
+            if entry.grequest is not None:
+                entry.grequest.Complete()
+                entry.grequest = None
+                moved = True
+        return moved, late
+
+    def _release_all(self) -> None:
+        """After a failure: complete every held request whose real one has completed."""
+        with self.lock:
+            waiting = [e for queue in self.untaken.values() for e in queue]
+            self.untaken.clear()
+        for entry in waiting:
+            if entry.event is not None:
+                entry.taken = entry.due
+                entry.event.set()
+        receiving = [e for queue in self.receiving.values() for e in queue]
+        for entry in (receiving + self.late_sends + waiting
+                      + [e for _, _, e in self.sending + self.due]):
+            try:
+                if entry.grequest is not None and (entry.real is None or entry.real.Test()):
+                    entry.real = None
+                    entry.grequest.Complete()
+                    entry.grequest = None
+            except Exception:                                # noqa: BLE001
+                pass
+        for receive in self.pickled:
+            try:
+                if receive._poll(self.status):
+                    receive._due = None
+            except Exception:                                # noqa: BLE001
+                pass
+        self.pickled = [p for p in self.pickled if not p._taken.is_set()]
+        self.receiving = {}
+        for entry in receiving:
+            if entry.grequest is not None:
+                self.receiving.setdefault(entry.asked, collections.deque()).append(entry)
+        self.late_sends = [e for e in self.late_sends + waiting if e.grequest is not None]
+        self.sending = [item for item in self.sending if item[2].grequest is not None]
+        self.due = [item for item in self.due if item[2].grequest is not None]
+        heapq.heapify(self.sending)
+        heapq.heapify(self.due)
+
+    def _cancel_real(self, entry: _Entry) -> None:
+        """Cancel what the generalized request stands for; it completes at once."""
+        from mpi4py import MPI
+        real, entry.real, status = entry.real, None, MPI.Status()
+        if real is not None:
+            if not real.Test(status):
+                real.Cancel()
+                real.Wait(status)
+            entry.cancelled = status.Is_cancelled()
+            if not entry.send and not entry.cancelled:
+                entry.source, entry.tag = status.Get_source(), status.Get_tag()
+                entry.count = status.Get_count(MPI.BYTE)
+                self.arrival((entry.cid, entry.source, entry.tag))     # taken after all
+        if entry.send and entry.taken is None:
+            with self.lock:                      # no TAKEN record will come for it
+                for queue in self.untaken.values():
+                    if entry in queue:
+                        queue.remove(entry)
+        queue = self.receiving.get(entry.asked)
+        if queue is not None and entry in queue:
+            queue.remove(entry)
+            if not queue:
+                del self.receiving[entry.asked]
+        if entry.grequest is not None:
+            entry.grequest.Complete()
+            entry.grequest = None
+
+    def close(self) -> None:
+        """At exit (before MPI is finalized): stop the thread, remove this rank's FIFO,
+        and the directory with the last rank."""
+        if self.closed:
+            return
+        self.closed = True
+        self.wake()
+        if self.thread.is_alive():
+            self.thread.join(timeout=1.0)
+        for fd in [fd for fd in self.peers.values() if fd is not None]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.unlink(self.fifo)
+        except OSError:
+            pass
+
+
+class _JobDir:
+    """This job's directory in /dev/shm: the ranks' FIFOs and the collectives' slots.
+    Each process leaves a pid- marker there while it runs; the last one out removes it."""
+
+    def __init__(self):
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        prefix = f"pycoll-link-{os.getuid()}-"
+        self.dir = os.path.join(base, prefix + _job_name())
+        _remove_stale(base, prefix, self.dir)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.marker = os.path.join(self.dir, f"pid-{os.getpid()}")
+        open(self.marker, "w").close()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.marker)
+            if not any(n.startswith("pid-") for n in os.listdir(self.dir)):
+                shutil.rmtree(self.dir, ignore_errors=True)
+        except OSError:
+            pass
+
+
+_the_job: Optional[_JobDir] = None
+
+
+def _job() -> _JobDir:
+    global _the_job
+    with _emulator_lock:
+        if _the_job is None:
+            _the_job = _JobDir()
+        return _the_job
+
+
+def _remove_stale(base: str, prefix: str, mine: str) -> None:
+    """Remove the directories of earlier jobs whose ranks all died without cleaning up
+    (killed, or aborted by MPI): those with no live process among their pid- markers."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        if path == mine:
+            continue
+        try:
+            pids = [int(n[4:]) for n in os.listdir(path) if n.startswith("pid-")]
+        except (OSError, ValueError):
+            continue
+        alive = False
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                pass
+            except OSError:
+                alive = True                       # someone else's: not ours to judge
+        if not alive and pids:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_the_emulator: Optional[_Emulator] = None
+_emulator_lock = threading.RLock()
+
+
+def _emulator() -> _Emulator:
+    global _the_emulator
+    with _emulator_lock:
+        if _the_emulator is None:
+            _the_emulator = _Emulator()
+        return _the_emulator
+
+
+def _message_bytes(buf) -> int:
+    """The bytes an mpi4py message spec (``buf``, ``[buf, type]``, ``[buf, count, type]``)
+    sends."""
+    from mpi4py import MPI
+    if isinstance(buf, (list, tuple)):
+        if len(buf) >= 3 and isinstance(buf[2], MPI.Datatype) and isinstance(buf[1], numbers.Integral):
+            return int(buf[1]) * buf[2].Get_size()
+        buf = buf[0]
+    try:
+        return memoryview(buf).nbytes
+    except TypeError:
+        return 0
+
+
+_created: collections.Counter = collections.Counter()
+
+
+def p2p(comm):
+    """``comm`` whose point-to-point messages are paced by the ``link`` knob (its
+    ``Comm`` subclass), or ``comm`` itself when no link is set. Call it where every
+    member makes the communicator, in the same order (as MPI's own constructors)."""
+    if not config.get("link") or comm is None or isinstance(comm, Comm):
+        return comm
+    return Comm(comm)
+
+
+def _make_comm_class():
+    from mpi4py import MPI
+
+    class _Message:
+        """A matched message (``improbe``/``mprobe``): its receive waits for the
+        modelled arrival."""
+
+        def __init__(self, message, comm, source: int, tag: int):
+            self._message, self._comm, self._key = message, comm, (comm._cid, source, tag)
+
+        def recv(self, status=None):
+            obj = self._message.recv(status)
+            self._comm._arrived(self._key)
+            return obj
+
+        def Recv(self, buf, status=None):
+            self._message.Recv(buf, status)
+            self._comm._arrived(self._key)
+
+        def Irecv(self, buf):               # matched already: tested every FALLBACK_S
+            return self._comm._hold_receive(self._message.Irecv(buf), *self._key[1:],
+                                            matched=True)
+
+        def irecv(self):
+            return _PickledReceive(self._message.irecv(), self._comm._emulator, self._comm._cid)
+
+    class EmulatedComm(MPI.Intracomm):
+        """An intracommunicator whose sends book the NICs of the ``link`` model and
+        whose sends and receives complete at the modelled times (``p2p``).
+
+        Emulated: Send, Isend, send, isend, Recv, Irecv, recv, irecv, and receives of
+        the messages that improbe/Improbe/mprobe/Mprobe match. Other calls (Ssend,
+        Sendrecv, collectives on it) pass through unpaced. A message to this rank itself
+        is free."""
+
+        def __init__(self, comm):               # mpi4py's __new__ took comm's handle
+            self._emulator = _emulator()
+            group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+            try:
+                self._world = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                        world)
+            finally:
+                group.Free()
+                world.Free()
+            self._me = comm.Get_rank()
+            members = tuple(self._world)
+            _created[members] += 1       # the n-th communicator of these ranks: same everywhere
+            digest = hashlib.blake2b(repr((members, _created[members])).encode(), digest_size=8)
+            self._cid = int.from_bytes(digest.digest(), "little") >> 1
+            self._links = parse_link(config.get("link"))
+            self._emulator.comms[self._cid] = (self._world, self._me)
+
+        # ------------------------------------------------------------ sending
+        def _book(self, dest: int, tag: int, nbytes: int) -> Optional[_Entry]:
+            """The entry of a message to ``dest``, booked before the real one is posted
+            (None for PROC_NULL)."""
+            if dest < 0:
+                return None
+            peer = self._world[dest]
+            (lat_me, bw_me), (lat_peer, bw_peer) = self._links.of(self._emulator.rank), \
+                self._links.of(peer)
+            entry = _Entry(None, True)
+            self._emulator.post(entry, self._cid, self._me, dest, peer, tag, nbytes,
+                                (max(lat_me, lat_peer), min(bw_me, bw_peer)))
+            return entry
+
+        def Send(self, buf, dest, tag=0):
+            entry = self._book(dest, tag, _message_bytes(buf))
+            super().Send(buf, dest, tag)
+            if entry is not None:
+                self._emulator.wait_taken(entry)
+
+        def send(self, obj, dest, tag=0):
+            self.Send([MPI.pickle.dumps(obj), MPI.BYTE], dest, tag)
+
+        def Isend(self, buf, dest, tag=0):
+            entry = self._book(dest, tag, _message_bytes(buf))
+            real = super().Isend(buf, dest, tag)
+            if entry is None:
+                return real
+            entry.real = real
+            return self._emulator.hold(entry)
+
+        def isend(self, obj, dest, tag=0):
+            data = MPI.pickle.dumps(obj)
+            entry = self._book(dest, tag, len(data))
+            real = super().Isend([data, MPI.BYTE], dest, tag)
+            if entry is None:
+                return real
+            entry.real, entry.keep = real, data
+            return self._emulator.hold(entry)
+
+        # ------------------------------------------------------------ receiving
+        def _arrived(self, key: tuple) -> None:
+            due = self._emulator.arrival(key)
+            if due is not None:
+                sleep_until(due)
+
+        def _hold_receive(self, real, source: int, tag: int, matched: bool = False):
+            entry = _Entry(real, False, cid=self._cid)
+            entry.asked = (self._cid, source if source >= 0 else -1, tag if tag >= 0 else -1)
+            if matched:
+                entry.asked += ("matched",)
+            return self._emulator.hold(entry)
+
+        def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            own = status if status is not None else MPI.Status()
+            super().Recv(buf, source, tag, own)
+            self._arrived((self._cid, own.Get_source(), own.Get_tag()))
+
+        def recv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            own = status if status is not None else MPI.Status()
+            obj = super().recv(buf, source, tag, own)
+            self._arrived((self._cid, own.Get_source(), own.Get_tag()))
+            return obj
+
+        def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+            return self._hold_receive(super().Irecv(buf, source, tag), source, tag)
+
+        def irecv(self, buf=None, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+            return _PickledReceive(super().irecv(buf, source, tag), self._emulator, self._cid)
+
+        def _matched(self, message, status):
+            if message is None:
+                return None
+            return _Message(message, self, status.Get_source(), status.Get_tag())
+
+        def improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().improbe(source, tag, status), status)
+
+        def Improbe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().Improbe(source, tag, status), status)
+
+        def mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().mprobe(source, tag, status), status)
+
+        def Mprobe(self, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=None):
+            status = status if status is not None else MPI.Status()
+            return self._matched(super().Mprobe(source, tag, status), status)
+
+    return EmulatedComm
+
+
+class _LazyComm(type):
+    """``Comm``: the emulating communicator class, made on first use (it subclasses an
+    mpi4py type, and importing mpi4py.MPI starts MPI)."""
+    _cls = None
+
+    def _get(cls):
+        if _LazyComm._cls is None:
+            _LazyComm._cls = _make_comm_class()
+        return _LazyComm._cls
+
+    def __call__(cls, comm):
+        return cls._get()(comm)
+
+    def __instancecheck__(cls, obj):
+        return _LazyComm._cls is not None and isinstance(obj, _LazyComm._cls)
+
+
+class Comm(metaclass=_LazyComm):
+    """The emulating communicator: ``Comm(comm)`` (see ``p2p``)."""

@@ -1,0 +1,70 @@
+"""Jobs test_emulation.py launches under ``pycollrun --link``: python emulation_job.py MODE.
+
+ps     (1 server, W workers): one worker pushes 1 MiB, then all at once, then all pull;
+       worker 0 prints the slowest worker's seconds for each as JSON.
+torch  (2 ranks): torch.distributed send/recv of 1 MiB on the "pycoll" backend; rank 1
+       prints its receive's seconds as JSON.
+Every phase starts at one instant on every rank (they share this machine's clock).
+"""
+import json
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import pycoll
+from pycoll import emulation
+
+MESSAGE = 1 << 20
+
+
+def together(comm) -> float:
+    start = comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.005
+    emulation.sleep_until(start)
+    return start
+
+
+def ps_job():
+    import pycoll.ps as ps
+    ps.init(servers=1, policy="asp")              # servers serve here, then exit
+    comm, rank, workers = MPI.COMM_WORLD, pycoll.rank(), pycoll.size()
+    w = np.full(MESSAGE // 4, rank, np.float32)
+    ps.init_params({"w": w})
+    worlds = pycoll.runtime.world().comm
+    times = {}
+    for phase, pushers in (("push_1", [0]), ("push_all", range(workers))):
+        start = together(worlds)
+        if rank in pushers:
+            ps.push("w", w).wait()
+        times[phase] = worlds.allreduce(time.monotonic() - start, op=MPI.MAX)
+    start = together(worlds)
+    ps.pull("w", w).wait()
+    times["pull_all"] = worlds.allreduce(time.monotonic() - start, op=MPI.MAX)
+    if rank == 0:
+        print(json.dumps(dict(times, workers=workers)), flush=True)
+    ps.shutdown()
+    del comm
+
+
+def torch_job():
+    import torch
+    import torch.distributed as dist
+    import pycoll.torch                         # noqa: F401  (registers the backend)
+    dist.init_process_group("pycoll")
+    rank = dist.get_rank()
+    t = torch.full((MESSAGE // 4,), float(rank))
+    dist.barrier()
+    start = together(MPI.COMM_WORLD)
+    if rank == 0:
+        dist.send(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+        assert bool((t == 0).all())
+        print(json.dumps({"recv": time.monotonic() - start}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    {"ps": ps_job, "torch": torch_job}[sys.argv[1]]()

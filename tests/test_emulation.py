@@ -1,0 +1,424 @@
+"""--link and --slowdown windows: the model, and that transfers take their modelled time.
+
+Timing tests assert lower bounds tightly (a transfer never beats its model) and upper
+bounds generously: ranks oversubscribe a 2-core machine that other jobs share. The exact
+figures are bench/emulation.py's.
+"""
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pycoll import config, emulation, hetero
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LATENCY, BANDWIDTH = 2e-3, 100e6          # slow enough that real transfers are negligible
+LINK = "2ms,100MB/s"
+
+
+# ---------------------------------------------------------------- the model, no MPI
+
+@pytest.mark.parametrize("text, seconds", [("50us", 50e-6), ("1.5ms", 1.5e-3), ("2s", 2.0),
+                                           ("100ns", 1e-7), ("0", 0.0), ("0.5 ms", 5e-4)])
+def test_latency_units(text, seconds):
+    assert emulation.parse_latency(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text, rate", [("1.25GB/s", 1.25e9), ("10Gb/s", 1.25e9),
+                                        ("10Gbit/s", 1.25e9), ("100MiB/s", 100 * 2**20),
+                                        ("125MB/s", 125e6), ("1e9B/s", 1e9), ("56Gbps", 7e9)])
+def test_bandwidth_units(text, rate):
+    assert emulation.parse_bandwidth(text) == pytest.approx(rate)
+
+
+def test_link_entries():
+    links = emulation.parse_link("50us,1.25GB/s,3:1ms,125MB/s, 5:0,1GB/s")
+    assert links.default == pytest.approx((50e-6, 1.25e9))
+    assert links.of(0) == links.default and links.of(3) == pytest.approx((1e-3, 125e6))
+    assert links.of(5) == pytest.approx((0.0, 1e9)) and sorted(links) == [3, 5]
+    alone = emulation.parse_link("3:1ms,125MB/s")        # rank 3 alone: the others are ideal
+    assert alone and alone.of(0) == (0.0, math.inf) and alone.of(3)[0] == pytest.approx(1e-3)
+    for off in ("", "off", "none", "0"):
+        assert emulation.parse_link(off) is None
+    assert emulation.parse_link((1e-3, 1e6)) == emulation.Links((1e-3, 1e6))
+
+
+@pytest.mark.parametrize("text, words", [("50us", "LATENCY,BANDWIDTH"),
+                                         ("50,1GB/s", "latency '50'"),
+                                         ("50us,fast", "bandwidth 'fast'"),
+                                         ("50us,0GB/s", "positive"),
+                                         ("50us,1GB/s,60us,1GB/s", "two entries without a rank"),
+                                         ("x:50us,1GB/s", "not a rank")])
+def test_link_errors_say_what_is_wrong(text, words):
+    with pytest.raises(ValueError, match=words):
+        emulation.parse_link(text)
+
+
+def test_link_knob_from_the_environment(monkeypatch):
+    try:
+        monkeypatch.setenv("PYCOLL_LINK", "1ms,1GB/s")
+        config.reload()
+        assert config.get("link") == emulation.Links((1e-3, 1e9))
+        monkeypatch.setenv("PYCOLL_LINK", "1ms")
+        with pytest.raises(ValueError, match="PYCOLL_LINK='1ms'"):
+            config.reload()             # watchers read the link at once: they raise there
+            config.get("link")
+    finally:
+        monkeypatch.delenv("PYCOLL_LINK")
+        config.reload()
+
+
+def test_collective_costs():
+    a, b, B = 1e-4, 1e9, 8e6
+    assert emulation.collective_time("allreduce", 4, B, a, b) == pytest.approx(6 * (a + B / 4e9))
+    assert emulation.collective_time("allgather", 4, B, a, b) == pytest.approx(3 * (a + B / 4e9))
+    assert emulation.collective_time("reduce_scatter", 3, B, a, b) == pytest.approx(2 * (a + B / 3e9))
+    assert emulation.collective_time("broadcast", 5, B, a, b) == pytest.approx(3 * (a + B / b))
+    assert emulation.collective_time("barrier", 4, 0, a, b) == pytest.approx(2 * a)
+    assert emulation.collective_time("allreduce", 1, B, a, b) == 0
+    assert emulation.transfer_time(B, a, b) == pytest.approx(a + B / b)
+    with pytest.raises(ValueError, match="no cost model"):
+        emulation.collective_time("gossip", 2, B, a, b)
+
+
+def test_without_a_link_nothing_is_wrapped(settings):
+    settings(link=None)
+    thing, run = object(), lambda: 1
+    assert emulation.p2p(thing) is thing
+    assert emulation.timed("allreduce", thing, 8, run) is run
+
+
+def test_sleep_until_is_on_time_and_sleeps():
+    cpu = time.thread_time()          # this thread's: numpy's own threads spin a while
+    for delay in (0.0002, 0.002, 0.02):
+        start = time.monotonic()
+        emulation.sleep_until(start + delay)
+        late = time.monotonic() - start - delay
+        assert 0 <= late < 0.02, (delay, late)
+    assert time.thread_time() - cpu < 0.01            # 22 ms waited, mostly asleep
+
+
+# ---------------------------------------------------------------- slowdown windows
+
+def test_slowdown_windows_parse():
+    factors = config.parse_slowdown("1:3,2:2@1-2,2:4@3-,2:1.5")
+    assert factors[1] == 3.0 and factors[2] == 4.0      # a windowed rank: its largest factor
+    w = factors[2]
+    assert [w.at(t) for t in (0, 1, 1.5, 2, 2.9, 3, 100)] == [1.5, 2, 2, 1.5, 1.5, 4, 4]
+    assert config.parse_slowdown("0:2@0-1")[0].at(5) == 1.0
+    for bad, words in [("1:2@3-1", "START < END"), ("1:2@x-3", "RANK:FACTOR"),
+                       ("1:2@3", "@START-END"), ("1:0.5@1-2", "FACTOR >= 1")]:
+        with pytest.raises(ValueError, match=words):
+            config.parse_slowdown(bad)
+
+
+def test_slowdown_window_starts_and_stops(settings, monkeypatch):
+    settings(slowdown="0:4@0.3-0.6")
+    monkeypatch.setattr(hetero, "_rank", lambda: 0)
+    hetero.mark_start()
+    seen = []
+    while hetero.elapsed() < 0.9:
+        begin = time.monotonic()
+        with hetero.slowdown() as factor:
+            end = time.monotonic() + 0.02
+            while time.monotonic() < end:
+                pass
+        seen.append((round(hetero.elapsed(), 2), factor, time.monotonic() - begin))
+    before = [s for s in seen if s[0] < 0.3]
+    inside = [s for s in seen if s[1] == 4.0]
+    assert before and before[0][1] == 1.0 and inside and seen[-1][1] == 1.0, seen
+    assert all(s[2] >= 0.075 for s in inside), seen             # 4 x 20 ms
+    assert all(s[2] < 0.05 for s in seen if s[1] == 1.0), seen
+    assert hetero.slowdown_factor() == 1.0
+
+
+def test_pycollrun_checks_link_ranks():
+    launcher = [sys.executable, os.path.join(ROOT, "launch", "pycollrun.py")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "OMPI_COMM_", "PMIX_"))}
+    for value, words in [("3:1ms,1GB/s", "does not exist"), ("1ms", "LATENCY,BANDWIDTH")]:
+        out = subprocess.run(launcher + ["-np", "2", "--link", value, "python", "-c", "pass"],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 2 and "--link" in out.stderr and words in out.stderr
+
+
+# ---------------------------------------------------------------- under MPI
+
+@pytest.fixture
+def link(settings, pycoll_world):
+    """Set the link knob for one test; ``link(text)`` sets another."""
+    def use(text):
+        settings(link=text)
+    use(LINK)
+    return use
+
+
+def _timed(run):
+    """(seconds run took from a common start, the end time on every rank)."""
+    from mpi4py import MPI
+    import pycoll
+    pycoll.barrier()
+    start = time.monotonic()
+    result = run()
+    end = time.monotonic()
+    return end - start, MPI.COMM_WORLD.allgather(end), result
+
+
+def _cost(kind, n, nbytes):
+    return emulation.collective_time(kind, n, nbytes, LATENCY, BANDWIDTH)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "broadcast", "reduce_scatter",
+                                  "alltoall", "barrier", "grouped"])
+def test_collectives_take_their_model_time_and_leave_together(link, kind):
+    import pycoll
+    n, r = pycoll.size(), pycoll.rank()
+    x = np.full(n * 8192, r + 1.0, np.float32)                     # 32n KiB
+    runs = {"allreduce": (lambda: pycoll.allreduce(x, op=pycoll.Sum), "allreduce", x.nbytes),
+            "grouped": (lambda: pycoll.grouped_allreduce([x, x[:100]], op=pycoll.Sum),
+                        "allreduce", x.nbytes + 400),
+            "allgather": (lambda: pycoll.allgather(x), "allgather", n * x.nbytes),
+            "broadcast": (lambda: pycoll.broadcast(x, root=n - 1), "broadcast", x.nbytes),
+            "reduce_scatter": (lambda: pycoll.reduce_scatter(x, op=pycoll.Sum),
+                               "reduce_scatter", x.nbytes),
+            "alltoall": (lambda: pycoll.alltoall(x), "alltoall", x.nbytes),
+            "barrier": (lambda: pycoll.barrier(), "barrier", 0)}
+    run, model, nbytes = runs[kind]
+    took, ends, result = _timed(run)
+    cost = _cost(model, n, nbytes)
+    assert took >= cost * 0.99, (kind, took, cost)
+    assert took < 3 * cost + 0.25, (kind, took, cost)
+    assert max(ends) - min(ends) < 0.3 * cost + 0.02, (kind, ends)      # they leave together
+    total = n * (n + 1) / 2
+    if kind == "allreduce":
+        assert np.all(result == total)
+    elif kind == "grouped":
+        assert np.all(result[0] == total) and np.all(result[1] == total)
+    elif kind == "broadcast":
+        assert np.all(result == n)
+    elif kind == "allgather":
+        assert np.array_equal(result, np.repeat(np.arange(1.0, n + 1), x.size))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_fused_allreduces_cost_one_model_per_batch(link):
+    import pycoll
+    n = pycoll.size()
+    xs = [np.ones(1024, np.float32) for _ in range(10)]         # one 40 KiB batch
+    took, _, works = _timed(lambda: [w.wait() for w in
+                                     [pycoll.allreduce_async(x, op=pycoll.Sum) for x in xs]])
+    assert all(np.all(y == n) for y in works)
+    cost = _cost("allreduce", n, 40960)
+    assert cost * 0.99 <= took < 3 * cost + 0.25, (took, cost)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_short_path_steps_aside_under_a_link(link, settings):
+    import pycoll
+    from pycoll import _C
+    settings(check=False)                                      # the short path skips checks
+    x = np.ones(16, np.float32)
+    before = _C.short_path_runs()
+    took, _, y = _timed(lambda: pycoll.allreduce(x, op=pycoll.Sum))
+    assert _C.short_path_runs() == before and np.all(y == pycoll.size())
+    assert took >= _cost("allreduce", pycoll.size(), 64) * 0.99
+    settings(link=None)
+    pycoll.allreduce(x, op=pycoll.Sum)
+    assert _C.short_path_runs() == before + 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_per_rank_links_pace_the_group(link):
+    import pycoll
+    from mpi4py import MPI
+    link("1ms,1GB/s,1:40ms,1GB/s")
+    n, r = pycoll.size(), pycoll.rank()
+    took, _, _ = _timed(lambda: pycoll.barrier())
+    rounds = math.ceil(math.log2(n))
+    assert took >= rounds * 0.040 * 0.99, took                      # rank 1 sets the pace
+    if n >= 3:                                                      # a group without rank 1
+        others = [q for q in range(n) if q != 1]
+        group = pycoll.new_group(others)
+        if r != 1:
+            pycoll.barrier(group=group)
+            start = time.monotonic()
+            pycoll.barrier(group=group)
+            assert time.monotonic() - start < 0.035
+        MPI.COMM_WORLD.Barrier()
+
+
+@pytest.fixture
+def comm(link):
+    """An emulated duplicate of COMM_WORLD (made while the link is set)."""
+    from mpi4py import MPI
+    c = emulation.p2p(MPI.COMM_WORLD.Dup())
+    assert isinstance(c, emulation.Comm)
+    yield c
+    c.Barrier()
+    c.Free()
+
+
+def _together(comm) -> float:
+    """Start every rank at one instant (ranks share this machine's monotonic clock): a
+    barrier alone lets some leave milliseconds before others."""
+    from mpi4py import MPI
+    start = comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.005
+    emulation.sleep_until(start)
+    return start
+
+
+MESSAGE = 1 << 20                  # 10.5 ms at 100 MB/s
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
+    """Sender: done when its last byte has left; receiver: latency later. Every rank
+    communicates first and asserts after, so a failed check never leaves a peer waiting."""
+    from mpi4py import MPI
+    r = comm.Get_rank()
+    data = np.full(MESSAGE, r, np.uint8)
+    transfer = emulation.transfer_time(MESSAGE, LATENCY, BANDWIDTH)
+    times, statuses = [], []
+    for blocking in (False, True):
+        start = _together(comm)
+        status = MPI.Status()
+        if r == 0:
+            if blocking:
+                comm.Send(data, dest=1, tag=3)
+            else:
+                comm.Isend(data, dest=1, tag=3).Wait()
+        elif r == 1:
+            if blocking:
+                comm.Recv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
+            else:
+                comm.Irecv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG).Wait(status)
+        times.append(time.monotonic() - start)
+        statuses.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
+    if r == 0:
+        assert min(times) >= MESSAGE / BANDWIDTH * 0.99, times          # its last byte left
+    elif r == 1:
+        assert min(times) >= transfer * 0.99 and max(times) < 3 * transfer + 0.25, times
+        assert statuses == [(0, 3, MESSAGE)] * 2 and np.all(data == 0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pickled_and_probed_messages_and_messages_to_oneself(comm):
+    from mpi4py import MPI
+    r, n = comm.Get_rank(), comm.Get_size()
+    req = comm.irecv(source=(r - 1) % n, tag=5)
+    start = _together(comm)
+    comm.send({"from": r}, dest=(r + 1) % n, tag=5)
+    got = req.wait()
+    took = time.monotonic() - start
+    listed, probed, status = None, np.empty(4), MPI.Status()
+    if r == 0:
+        comm.isend([1, 2, 3], dest=1, tag=6).wait()
+        comm.Send(np.arange(4.0), dest=1, tag=7)
+    elif r == 1:
+        listed = comm.recv(source=0, tag=6)
+        message = comm.improbe(0, 7, status)
+        while message is None:
+            message = comm.improbe(0, 7, status)
+        message.Recv(probed)
+    mine = np.arange(8.0) + r                                      # to itself: free
+    back = np.empty(8)
+    recv = comm.Irecv(back, source=r, tag=8)
+    comm.Isend(mine, dest=r, tag=8).Wait()
+    before = time.monotonic()
+    recv.Wait()
+    to_self = time.monotonic() - before
+    assert got == {"from": (r - 1) % n} and took >= LATENCY * 0.99, (got, took)
+    if r == 1:
+        assert listed == [1, 2, 3] and status.Get_source() == 0
+        assert np.array_equal(probed, np.arange(4.0))
+    assert np.array_equal(back, mine) and to_self < 0.05
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cancelled_receive_completes(comm):
+    from mpi4py import MPI
+    request = comm.Irecv(np.empty(4), source=MPI.ANY_SOURCE, tag=99)
+    request.Cancel()
+    status = MPI.Status()
+    request.Wait(status)
+    assert status.Is_cancelled()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_incast_serialises_at_the_receiver(comm):
+    """One sender into rank 0, then all the others at once: they share its NIC in turn."""
+    from mpi4py import MPI
+    r, n = comm.Get_rank(), comm.Get_size()
+    data = np.full(MESSAGE, r, np.uint8)
+    inbox = [np.empty(MESSAGE, np.uint8) for _ in range(n)]
+    times = []
+    for senders in ([1], list(range(1, n))):
+        start = _together(comm)
+        if r == 0:
+            MPI.Request.Waitall([comm.Irecv(inbox[s], source=s, tag=4) for s in senders])
+        elif r in senders:
+            comm.Isend(data, dest=0, tag=4).Wait()
+        times.append(time.monotonic() - start)
+    if r == 0:
+        for senders, took in zip(([1], range(1, n)), times):
+            serial = len(senders) * MESSAGE / BANDWIDTH + LATENCY
+            assert serial * 0.99 <= took < 3 * serial + 0.25, (list(senders), took)
+        assert all(np.all(inbox[s] == s) for s in range(1, n))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_partial_allreduce_ring_is_paced_and_exact(link, settings, monkeypatch):
+    import pycoll
+    from pycoll import partial, runtime
+    from mpi4py import MPI
+    settings(partial_cache_after=0)
+    emulated = emulation.p2p(runtime._state.p2p_comm.Dup())
+    monkeypatch.setattr(runtime._state, "p2p_comm", emulated)
+    monkeypatch.setattr(partial, "_cache", None)
+    n, r = pycoll.size(), pycoll.rank()
+    x = np.full(1 << 17, r + 1.0, np.float32)                       # 512 KiB
+    start = _together(MPI.COMM_WORLD)
+    y = pycoll.partial_allreduce(x, list(range(n)), op=pycoll.Sum)
+    took = time.monotonic() - start
+    MPI.COMM_WORLD.Barrier()
+    emulated.Free()
+    assert np.all(y == n * (n + 1) / 2)
+    egress = 2 * (n - 1) * x.nbytes / n / BANDWIDTH                 # what each rank sends
+    assert took >= egress * 0.99 + LATENCY, took
+    assert took < 3 * _cost("allreduce", n, x.nbytes) + 0.25, took
+
+
+# ---------------------------------------------------------------- whole jobs
+
+def _job(ranks, *args):
+    """tests/emulation_job.py under pycollrun --link 1ms,100MB/s; its JSON line."""
+    import json
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYCOLL_", "OMPI_COMM_", "PMIX_", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "pycollrun.py"), "-np",
+                          str(ranks), "--link", "1ms,100MB/s", *args[:-1], "python",
+                          os.path.join(ROOT, "tests", "emulation_job.py"), args[-1]],
+                         capture_output=True, text=True, env=env, timeout=100, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+
+
+def test_parameter_server_pushes_share_the_servers_link():
+    times = _job(3, "--servers", "1", "ps")
+    one = (1 << 20) / 100e6                                 # 1 MiB at 100 MB/s
+    assert one * 0.99 <= times["push_1"] < 3 * one + 0.25, times
+    assert 2 * one * 0.99 <= times["push_all"] < 6 * one + 0.25, times       # incast
+    assert 2 * one + 2e-3 <= times["pull_all"] * 1.01, times   # the server's egress, in turn
+
+
+def test_torch_send_recv_is_paced():
+    times = _job(2, "torch")
+    model = emulation.transfer_time(1 << 20, 1e-3, 100e6)
+    assert model * 0.99 <= times["recv"] < 3 * model + 0.25, times

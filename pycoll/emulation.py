@@ -181,15 +181,6 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
     raise ValueError(f"no cost model for collective {kind!r}")
 
 
-def link_of(rank: Optional[int] = None) -> Tuple[float, float]:
-    """(latency, bandwidth) of ``rank``'s (default: this rank's) link; (0, inf) without
-    emulation."""
-    links = config.get("link")
-    if not links:
-        return 0.0, math.inf
-    return parse_link(links).of(_world_rank() if rank is None else rank)
-
-
 # ---------------------------------------------------------------- waiting
 
 # time.sleep wakes 35-90 us late here even with a 1 ns timer slack: the last stretch
@@ -223,11 +214,6 @@ def sleep_until(deadline: float) -> None:
 
 
 # ---------------------------------------------------------------- collectives
-
-def _world_rank() -> int:
-    from . import hetero
-    return hetero._rank()
-
 
 class _Slots:
     """Each world rank's entries into its latest collectives, in a file in shared memory

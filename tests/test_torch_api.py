@@ -76,23 +76,21 @@ def test_async_handles_synchronize_and_poll():
 def test_reused_pending_name_is_refused():
     r = hvd.rank()
     h = hvd.allreduce_async(rank_tensor(r), name="weights")
-    with pytest.raises(ValueError, match="'weights' is still pending"):
+    with pytest.raises(ValueError, match="'weights' is still running"):
         hvd.allreduce_async(rank_tensor(r), name="weights")
     hvd.synchronize(h)
     hvd.synchronize(hvd.allreduce_async(rank_tensor(r), name="weights"))   # free again
 
 
 def test_wrong_root_and_unsupported_dtype_are_refused():
-    with pytest.raises(ValueError, match="root_rank must be a rank in"):
+    with pytest.raises(ValueError, match="root_rank must be a rank of the process set"):
         hvd.broadcast(torch.ones(2), root_rank=hvd.size())
-    with pytest.raises(ValueError, match="root_rank must be a rank in"):
+    with pytest.raises(ValueError, match="root_rank must be a rank of the process set"):
         hvd.broadcast_object("x", root_rank=-1)
     with pytest.raises(TypeError, match="does not support dtype"):
         hvd.allreduce(torch.ones(2, dtype=torch.complex64))
     with pytest.raises(TypeError, match="does not support dtype"):
         hvd.allgather(torch.ones(2, dtype=torch.bool))
-    with pytest.raises(TypeError, match="Average of int64"):
-        hvd.allreduce(torch.ones(2, dtype=torch.int64))
     hvd.barrier()
 
 
@@ -182,6 +180,10 @@ def test_compression_round_trip_and_allreduce():
 def test_process_set():
     r, n = hvd.rank(), hvd.size()
     ranks = list(range(0, n, 2))
+    if ranks == list(range(n)):            # the global set's ranks, as in Horovod
+        with pytest.raises(ValueError, match="duplicate process set"):
+            hvd.add_process_set(ranks)
+        return
     evens = hvd.add_process_set(ranks)
     if not evens.included():
         with pytest.raises(ValueError, match="not in ProcessSet"):
@@ -275,15 +277,16 @@ def test_distributed_optimizer_errors():
     with pytest.raises(ValueError, match="not in it"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=named[:1])
-    with pytest.raises(ValueError, match="needs op=Average"):
+    with pytest.raises(ValueError, match="not supported with op != Average"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     model(torch.randn(2, 6)).sum().backward()
-    with pytest.raises(AssertionError, match="zero_grad"):
-        optimizer.zero_grad()
-    with pytest.raises(AssertionError, match="backward_passes_per_step"):
-        model(torch.randn(2, 6)).sum().backward()
+    if hvd.size() > 1:              # at one rank, as in Horovod, no hooks: nothing to check
+        with pytest.raises(AssertionError, match="zero_grad"):
+            optimizer.zero_grad()
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            model(torch.randn(2, 6)).sum().backward()
     optimizer.synchronize()
     with optimizer.skip_synchronize():
         optimizer.step()

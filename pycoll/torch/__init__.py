@@ -11,14 +11,20 @@ Importing registers the backend; under an MPI launcher it also sets torch's rend
 variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) where unset, which is a
 collective: every rank imports pycoll.torch.
 """
-from .api import (Average, Max, Min, Product, ProcessSet, Sum, add_process_set, allgather,
-                  allgather_async, allgather_object, allreduce, allreduce_, allreduce_async,
-                  allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, broadcast_object, broadcast_optimizer_state,
-                  broadcast_parameters, global_process_set, grouped_allreduce,
-                  grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, init,
-                  is_initialized, local_rank, local_size, poll, rank, reducescatter,
-                  reducescatter_async, remove_process_set, shutdown, size, synchronize)
+from .api import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min,
+                  Product, ProcessSet, Sum, add_process_set, allgather, allgather_async,
+                  allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                  alltoall, alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                  broadcast_async_, broadcast_object, broadcast_optimizer_state,
+                  broadcast_parameters, ccl_built, cross_rank, cross_size, cuda_built,
+                  ddl_built, gloo_built, gloo_enabled, global_process_set, grouped_allgather,
+                  grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                  grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+                  grouped_reducescatter_async, init, is_homogeneous, is_initialized, join,
+                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                  nccl_built, poll, rank, reducescatter, reducescatter_async,
+                  remove_process_set, rocm_built, shutdown, size, sparse_allreduce_async,
+                  start_timeline, stop_timeline, synchronize)
 from .backend import ProcessGroupPycoll, register as _register, set_rendezvous_env as _rendezvous
 from .compression import Compression
 from .optimizer import DistributedOptimizer

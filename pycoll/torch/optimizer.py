@@ -1,19 +1,23 @@
 """Horovod's ``DistributedOptimizer``: gradients are allreduced while backward runs.
 
-A hook on every parameter (``register_post_accumulate_grad_hook``) starts the
-allreduce of its gradient the moment autograd has accumulated it. Consecutive
-allreduces fuse in pycoll's engine, which sends a batch as soon as it holds
-``PYCOLL_FUSION_THRESHOLD`` bytes, so the first batches travel while backward still
-computes the rest, and a gradient of that size or more travels alone, without a copy
-(hooks fire in the same order on every rank, so every rank makes the same batches).
+A hook on every parameter (``register_post_accumulate_grad_hook``) submits the allreduce
+of its gradient, named after the parameter, the moment autograd has accumulated it.
+Negotiation matches the names across ranks (``pycoll.negotiation``), so ranks whose hooks
+fire in other orders, or that compute no gradient for a parameter (it is reduced as
+zeros at ``step()``), still agree; the gradients ready everywhere in one cycle go to the
+engine together and fuse there up to ``PYCOLL_FUSION_THRESHOLD``, while backward goes on.
 ``step()`` waits for the rest, then steps.
 
 Overlap needs a core to overlap on: where a CPU rank has none to spare
-(``api.overlap_pays``), the hooks only note the gradients, and ``step()`` issues their
-allreduces, in the same order and so in the same batches, while backward is over.
+(``api.overlap_pays``), the hooks only note the gradients, and ``step()`` submits them
+all at once (one negotiation cycle) while backward is over.
+
+``op=Adasum`` is Horovod's delta optimizer: each parameter's local step is taken at once,
+and the step's delta is what Adasum combines.
 """
 import contextlib
-from typing import Dict, List, Optional
+import warnings
+from typing import Dict, List
 
 import torch
 
@@ -25,96 +29,128 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (see ``DistributedOptimizer``)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
         super(self.__class__, self).__init__(params)
-        if op is not api.Average and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor needs op=Average (it splits the "
-                             "averaging between before and after the sum)")
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self._compression = compression
-        self._passes = backward_passes_per_step
-        self._op, self._process_set = op, process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op, self.process_set = op, process_set
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
         self._prescale = 1.0 / gradient_predivide_factor if op is api.Average else 1.0
         self._postscale = gradient_predivide_factor if op is api.Average else 1.0
-        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
-        self._names = _parameter_names(params, named_parameters)
-        self._groups = _parameter_groups(params, groups)
-        self._delay: Dict[torch.Tensor, int] = {p: self._passes for p in params}
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self._delay: Dict[torch.Tensor, int] = {}
         self._handles: Dict[torch.Tensor, tuple] = {}       # param -> (handle, context)
         self._ready: Dict[int, List[torch.Tensor]] = {}      # group index -> params ready
         self._deferred: List[torch.Tensor] = []              # ready, to submit at synchronize
         self._synchronized = False
         self._should_synchronize = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready) for p in params]
-        self._params = params
+        self._params = [p for group in self.param_groups for p in group["params"]
+                        if p.requires_grad]
+        self._groups = _parameter_groups(self._params, groups, self._parameter_names,
+                                         process_set)
+        self._hooks = []
+        if process_set.included() and api.size() > 1:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                           for p in self._params]
+        self.set_backward_passes_per_step(backward_passes_per_step)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._delay = {p: passes for p in self._params}
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles, self._ready, self._deferred = {}, {}, []
+        self._synchronized, self._should_synchronize = False, True
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
+        return super(self.__class__, self).load_state_dict(*args, **kwargs)
 
     # ------------------------------------------------------------ hooks
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        if p in self._handles:
+        if p in self._handles and self._delay[p] <= 0:
             raise AssertionError(
-                "a gradient was computed more than backward_passes_per_step times before "
-                "step() or synchronize(); raise backward_passes_per_step to accumulate "
-                "gradients locally over several backward passes")
+                "Gradients were computed more than backward_passes_per_step times before "
+                "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                "locally.")
         self._delay[p] -= 1
-        if self._delay[p] == 0:
-            if api.overlap_pays(p.grad):
-                self._submit(p)
-            else:
-                self._handles[p] = None          # counted as submitted; synchronize() submits
-                self._deferred.append(p)
+        if self._delay[p] > 0:
+            self._handles[p] = None             # counted; reduced at step() if it comes to that
+            return
+        if api.overlap_pays(p.grad):
+            self._submit(p)
+        else:
+            self._handles[p] = None             # counted as submitted; synchronize() submits
+            self._deferred.append(p)
 
     def _submit(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            # Not computed here (an unused parameter), perhaps elsewhere: reduce zeros.
+            p.grad = torch.zeros_like(p)
         group = self._groups.get(p)
         if group is None:
-            compressed, context = self._compression.compress(p.grad)
-            handle = api.allreduce_async_(compressed, name=self._names[p], op=self._op,
-                                          prescale_factor=self._prescale,
-                                          postscale_factor=self._postscale,
-                                          process_set=self._process_set)
-            self._handles[p] = (handle, context, compressed)
+            self._handles[p] = self._allreduce_grad_async(p)
             return
         index, members = group
         ready = self._ready.setdefault(index, [])
-        ready.append(p)
+        if not any(q is p for q in ready):       # tensors' == is elementwise
+            ready.append(p)
         self._handles[p] = None                  # counted as submitted; the group's handle follows
         if len(ready) < len(members):
             return
+        for q in members:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
         compressed = [self._compression.compress(q.grad) for q in members]
         handle = api.grouped_allreduce_async_([c for c, _ in compressed],
-                                              name=f"allreduce.group.{index}", op=self._op,
-                                              prescale_factor=self._prescale,
+                                              name=self._parameter_names[members[0]],
+                                              op=self.op, prescale_factor=self._prescale,
                                               postscale_factor=self._postscale,
-                                              process_set=self._process_set)
+                                              process_set=self.process_set)
         for q, (c, context) in zip(members, compressed):
             self._handles[q] = (handle, context, c)
         del self._ready[index]
 
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple:
+        name, tensor = self._parameter_names[p], p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return (api.sparse_allreduce_async(tensor, name, self.op, self.process_set),
+                        None, None)
+            tensor = tensor.to_dense()
+        compressed, context = self._compression.compress(tensor)
+        handle = api.allreduce_async_(compressed, name=name, op=self.op,
+                                      prescale_factor=self._prescale,
+                                      postscale_factor=self._postscale,
+                                      process_set=self.process_set)
+        return handle, context, compressed
+
     # ------------------------------------------------------------ synchronization
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce; gradients that were never computed (unused
-        parameters) are reduced as zeros, in parameter order, so all ranks agree."""
+        """Wait for every gradient's allreduce. Gradients this rank did not compute
+        (unused parameters) are reduced as zeros: other ranks may have computed them."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
         deferred, self._deferred = self._deferred, []
         for p in deferred:
             del self._handles[p]
             self._submit(p)
-        for p in self._params:
-            if p not in self._handles or self._handles[p] is None:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if p not in self._handles:
-                    self._delay[p] = 1
-                    self._gradient_ready(p)
+        if self._hooks:
+            for p in self._params:
+                if self._handles.get(p) is None:
+                    self._submit(p)
         outputs = {}
-        for p in self._params:
-            handle, context, compressed = self._handles[p]
+        for p, (handle, context, compressed) in list(self._handles.items()):
             if handle not in outputs:
-                outputs[handle] = api.synchronize(handle)
-            if compressed is not p.grad:
-                p.grad.copy_(self._compression.decompress(compressed, context))
+                outputs[handle] = handle() if callable(handle) else api.synchronize(handle)
+            # A sparse allreduce gives a new tensor; the others reduced ``compressed``.
+            out = outputs[handle] if compressed is None else \
+                self._compression.decompress(compressed, context)
+            if out is not p.grad:
+                _set_grad(p, out)
         self._handles.clear()
-        for p in self._params:
-            self._delay[p] = self._passes
+        self._ready.clear()
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -127,74 +163,211 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize and not self._synchronized:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
+    def _wrapped_step(self, closure=None):
+        """The wrapped optimizer's own step, without reducing (broadcast_optimizer_state)."""
+        return super(self.__class__, self).step(closure)
+
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
-            raise AssertionError("zero_grad() was called after backward() but before step() "
-                                 "or synchronize(); the gradients' allreduces are pending")
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none)
 
 
-def _parameter_names(params, named_parameters) -> Dict[torch.Tensor, str]:
+def _set_grad(p: torch.Tensor, reduced: torch.Tensor) -> None:
+    """A sparse result into a sparse gradient (``set_`` does not take sparse tensors)."""
+    if p.grad.is_sparse:
+        p.grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
+    else:
+        p.grad.copy_(reduced.to_dense() if reduced.is_sparse else reduced)
+
+
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Horovod's delta optimizer for ``op=Adasum``: when a gradient is ready, the wrapped
+    optimizer steps that parameter alone from zero, giving its update; ``step()``
+    combines the updates by Adasum and adds them to the parameters."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._params = [p for group in self.param_groups for p in group["params"]
+                        if p.requires_grad]
+        self._delay = {p: backward_passes_per_step for p in self._params}
+        self._handles: Dict[torch.Tensor, tuple] = {}
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
+                                 for p in self._params}
+        for p in self._params:
+            p.grad = torch.zeros_like(p)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
+                       for p in self._params]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._delay = {p: passes for p in self._params}
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+            raise AssertionError("Gradients were computed more than backward_passes_per_step "
+                                 "times before call to step(). Increase "
+                                 "backward_passes_per_step to accumulate gradients locally.")
+        self._delay[p] -= 1
+        self._handles[p] = self._allreduce_delta_async(p) if self._delay[p] == 0 else (None, None)
+
+    def _allreduce_delta_async(self, p: torch.Tensor) -> tuple:
+        # delta = (start - lr f(g)) - start: step p alone from where it is, keep the change.
+        start = self._starting_models[p]
+        stashed = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [p] if any(p is q for q in group["params"]) else []
+        try:
+            start.data.copy_(p)
+            super(self.__class__, self).step()
+            p.data.sub_(start)
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        compressed, context = self._compression.compress(p.data)
+        return api.allreduce_async_(compressed, name=self._parameter_names[p],
+                                    op=api.Adasum), context
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum "
+                             "optimizer.")
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for p in self._params:
+            if self._handles.get(p, (None,))[0] is None:
+                self._handles[p] = self._allreduce_delta_async(p)
+        for p, (handle, context) in self._handles.items():
+            delta = self._compression.decompress(api.synchronize(handle), context)
+            start = self._starting_models[p]
+            start.data.add_(delta.data)
+            p.data.copy_(start)
+            self._delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def _wrapped_step(self, closure=None):
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
+    """param -> the name its allreduce goes by: Horovod's (``named_parameters``' names, or
+    ``allreduce.noname.<group>.<index>``)."""
     if named_parameters is None:
-        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(param_groups)
+                for j, p in enumerate(group["params"])}
     named = list(named_parameters)
-    if named and not all(isinstance(item, tuple) and len(item) == 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                         "usually model.named_parameters()")
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
     names = [name for name, _ in named]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"parameter names in named_parameters must be unique; repeated: {duplicates}")
+        raise ValueError("Parameter names in named_parameters must be unique. Found "
+                         f"duplicates: {', '.join(duplicates)}")
     by_param = {p: name for name, p in named}
-    unnamed = [i for i, p in enumerate(params) if p not in by_param]
+    unnamed = [p for group in param_groups for p in group["params"] if p not in by_param]
     if unnamed:
-        raise ValueError(f"named_parameters was given but {len(unnamed)} of the optimizer's "
-                         "parameters are not in it; pass the model's named_parameters()")
-    return {p: "allreduce." + by_param[p] for p in params}
+        raise ValueError(f"named_parameters was specified, but {len(unnamed)} of the "
+                         "optimizer's parameters are not in it; pass the model's "
+                         "named_parameters()")
+    return {p: by_param[p] for group in param_groups for p in group["params"]}
 
 
-def _parameter_groups(params, groups) -> Dict[torch.Tensor, tuple]:
+def _parameter_groups(params, groups, names, process_set) -> Dict[torch.Tensor, tuple]:
     """param -> (group index, the group's params in order); ungrouped params are absent.
-    ``groups``: None, a number of groups (params split evenly, in order), or lists of
-    parameters."""
+    ``groups``: None, a number of groups (params split evenly in rank 0's order, as
+    Horovod does), or lists of parameters (the others each a group of one)."""
     if groups is None or groups == 0:
         return {}
     if isinstance(groups, int):
         if groups < 0:
-            raise ValueError(f"groups must be >= 0, got {groups}")
-        size = -(-len(params) // groups)
-        lists = [params[i:i + size] for i in range(0, len(params), size)]
+            raise ValueError("groups should be a non-negative integer or a list of list of "
+                             "torch.Tensor.")
+        if process_set.included() and api.size() > 1:
+            order = api.broadcast_object([names[p] for p in params], root_rank=process_set.ranks[0],
+                                         name="DistributedOptimizer.groups",
+                                         process_set=process_set)
+            rank_of = {name: i for i, name in enumerate(order)}
+            params = sorted(params, key=lambda p: rank_of.get(names[p], len(order)))
+        size, extra = divmod(len(params), groups)
+        lists, begin = [], 0
+        for i in range(groups):
+            end = begin + size + (i < extra)
+            lists.append(params[begin:end])
+            begin = end
+        lists = [g for g in lists if g]
     else:
         lists = [list(g) for g in groups]
+        if any(not isinstance(p, torch.Tensor) for g in lists for p in g):
+            raise ValueError("groups must consist of torch.Tensor.")
         known = set(params)
-        if any(p not in known for g in lists for p in g):
-            raise ValueError("every parameter in groups must be one the optimizer trains "
-                             "(and requires grad)")
+        lists = [[p for p in g if p in known] for g in lists]
     out = {}
     for index, members in enumerate(lists):
         for p in members:
             if p in out:
-                raise ValueError("a parameter appears in more than one of groups")
+                raise ValueError("A parameter can only appear once in groups.")
             out[p] = (index, members)
     return out
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step: int = 1, op=api.Average,
-                         gradient_predivide_factor: float = 1.0, groups=None,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups=None, sparse_as_dense: bool = False,
                          process_set=api.global_process_set):
     """Wrap ``optimizer`` so that its gradients are averaged (``op``) over the ranks.
 
     Returns an optimizer of the same class. ``backward_passes_per_step``: local
     accumulation before each allreduce. ``groups``: an int, or lists of parameters whose
-    gradients are reduced together once all of them are ready.
+    gradients are reduced together once all of them are ready. ``sparse_as_dense``:
+    reduce sparse gradients as dense tensors (else by allgathers). ``op=Adasum``: Horovod's
+    delta optimizer, combining each step's updates by Adasum.
     """
+    if gradient_predivide_factor != 1.0 and op is not api.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be "
+                      "removed in v0.23.0.", DeprecationWarning)
+        groups = num_groups if groups is None else groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if op == api.Adasum and api.size() > 1:
+        if process_set is not api.global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   dict(_DistributedAdasumOptimizer.__dict__))
+        return cls(optimizer.param_groups, named_parameters, compression,
+                   backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, process_set)
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set)

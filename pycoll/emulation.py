@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from . import config
+from . import config, timeline
 
 log = logging.getLogger("pycoll")
 
@@ -331,7 +331,8 @@ def _leave(entry, kind: str) -> None:
     slowest = max(row[3] for row in rows)
     total = sum(row[4] for row in rows) if kind == "allgather" else max(row[4] for row in rows)
     bandwidth = 1.0 / slowest if slowest > 0 else math.inf
-    sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
+    with timeline.phase("emulated link", "emulated", model=kind):
+        sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
     _last_end[0] = time.monotonic()
 
 

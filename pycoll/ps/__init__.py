@@ -64,7 +64,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import config, emulation
+from .. import config, emulation, timeline
 from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
@@ -133,10 +133,12 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
                                 f"init within {timeout:g} s; a rank may have died, hung or "
                                 "skipped it (PYCOLL_TIMEOUT sets the limit)")
+    timeline.begin(comm)                 # before the split: servers are on the timeline too
     own = emulation.p2p(comm.Dup())      # --link paces every message on it
     is_worker = own.rank < workers
     mine = own.Split(0 if is_worker else 1, own.rank)     # the workers', or the servers'
     if not is_worker:
+        timeline.role(f"PS server {own.rank - workers}")
         server = Server(own, mine, own.rank - workers, workers, policy, optimizer,
                         checkpoint_dir, timeout)
         stats = server.serve()
@@ -318,6 +320,8 @@ def shutdown() -> None:
         else:
             for work in _state.background:
                 work.wait()
+            if config.get("report"):
+                timeline.ps_counters(counters())
             if _state.stats_path:
                 mine = counters()
                 everyone = [json.loads(b) for b in _exchange(

@@ -348,7 +348,7 @@ def trace(parts: list) -> dict:
             elif ph == "i":
                 event["s"] = "t"
             else:
-                event["id"] = span
+                event["id"] = pid << 32 | span         # async ids: unique across ranks
             if args:
                 event["args"] = args
             events.append(event)

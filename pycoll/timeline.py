@@ -54,7 +54,8 @@ _seq: collections.Counter = collections.Counter()
 _totals = collections.Counter()                  # report: seconds by category
 _tids: dict = {}          # thread ident -> (track id, thread name)
 _ids = itertools.count(1)
-_step = 0
+_step = 0                 # steps ended so far (pycoll.timeline.step())
+_step_began = 0.0
 _role = ""
 _started = 0.0
 _ps_counters: list = []   # report: what ps.counters() returned on this worker
@@ -190,11 +191,14 @@ def _async(name, cat, start, end, args) -> None:
 def step() -> None:
     """A training step ended. With ``--timeline-steps A-B`` recording runs from the end
     of step A - 1 (the start, for A = 0) to the end of step B; steps count from 0."""
-    global _step
+    global _step, _step_began
     _step += 1
     if not _begun:
         return
-    instant(f"step {_step - 1} ended")
+    ended = now()
+    if _recording:             # the step's span, enclosing what this thread did in it
+        _add("X", f"step {_step - 1}", "step", _step_began, ended - _step_began, {})
+    _step_began = ended
     steps = config.get("timeline_steps")
     if steps is not None and config.get("timeline"):
         if _step == steps[0]:
@@ -234,7 +238,7 @@ def begin(comm) -> None:
     """Where pycoll starts on ``comm`` (every rank of it calls this; the first call
     counts): with a timeline or a report asked for, measure each rank's clock offset
     against rank 0's, start recording (or wait for the steps) and gather at exit."""
-    global _begun, _comm, _started, _offsets, _events, _ops
+    global _begun, _comm, _started, _offsets, _events, _ops, _step_began
     if _begun or not configured():
         return
     _begun = True
@@ -242,7 +246,7 @@ def begin(comm) -> None:
     _offsets = _clock_offsets(_comm)
     _events = collections.deque(maxlen=config.get("timeline_max_events"))
     _ops = collections.deque(maxlen=config.get("timeline_max_events"))
-    _started = now()
+    _started = _step_began = now()
     steps = config.get("timeline_steps")
     _set(recording=bool(config.get("timeline")) and (steps is None or steps[0] <= _step
                                                       <= steps[1]),

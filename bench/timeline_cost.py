@@ -62,16 +62,15 @@ def main() -> None:
                   f"{us['async on']:>9.2f} {us['async on'] / us['async off']:>7.2f}", flush=True)
     off()                                       # no trace written at exit
     if comm.rank == 0:
-        hooks_off(us["async off"])
+        hooks_off(us["async off"], 100 * args.iters)
 
 
-def hooks_off(async_us: float) -> None:
+def hooks_off(async_us: float, n: int) -> None:
     """What the hooks cost while nothing is configured, timed alone: an async allreduce
     of one tensor passes two ``if timeline.on`` tests (queued, run) and one ``phase``
     ("in MPI"); a blocking one on the short path none."""
     import timeit
     assert not timeline.on
-    n = 1_000_000
     test = min(timeit.repeat("timeline.on", globals=globals(), number=n, repeat=5)) / n
     phase = min(timeit.repeat('with timeline.phase("in MPI"): pass', globals=globals(),
                               number=n, repeat=5)) / n

@@ -33,9 +33,9 @@ import itertools
 import json
 import logging
 import math
-import sys
 import threading
 import time
+import zlib
 from typing import Optional
 
 from . import config
@@ -50,7 +50,9 @@ _comm = None             # our duplicate of the communicator pycoll started on
 _events: collections.deque = collections.deque()
 _dropped = [0]
 _ops: collections.deque = collections.deque()    # report: (name, seq, start, end)
-_seq: collections.Counter = collections.Counter()
+# An operation's seq counts the operations before it whose names share its bucket (the
+# same on every rank running them): bounded however many names a program makes.
+_seq = [0] * 4096
 _totals = collections.Counter()                  # report: seconds by category
 _tids: dict = {}          # thread ident -> (track id, thread name)
 _ids = itertools.count(1)
@@ -81,6 +83,9 @@ class _Nothing:
 _NOTHING = _Nothing()
 
 
+_COUNTED = ("compute",)     # categories whose time the report sums
+
+
 class _Span:
     __slots__ = ("name", "cat", "args", "start")
 
@@ -98,9 +103,6 @@ class _Span:
         if _recording:
             _add("X", self.name, self.cat, self.start, end - self.start, self.args)
         return False
-
-
-_COUNTED = ("compute",)     # categories whose time the report sums
 
 
 def phase(name: str, cat: str = "phase", **args):
@@ -128,8 +130,9 @@ def run(fn, args: tuple, name: str, works=()):
     finally:
         end = now()
         if _counting:
-            _seq[name] += 1
-            _ops.append((name, _seq[name], start, end))
+            bucket = zlib.crc32(name.encode()) % len(_seq)
+            _seq[bucket] += 1
+            _ops.append((name, _seq[bucket], start, end))
             _totals["collective"] += end - start
         if _recording:
             members = [w.name for w in works]
@@ -325,7 +328,7 @@ def finish() -> None:
                         "PYCOLL_TIMELINE_MAX_EVENTS (rank: events) %s; record fewer steps "
                         "(--timeline-steps) or raise the limit", dropped)
     if config.get("report"):
-        print(report(parts, config.get("slowdown")), file=sys.stdout, flush=True)
+        print(report(parts, config.get("slowdown")), flush=True)
 
 
 # ---------------------------------------------------------------- rank 0's merge

@@ -42,7 +42,10 @@ Design
   paused with probability (L/(s+1))^8, always past the bound, and released with room
   (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
-  pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
+  pulls, delay, bytes, clocks, ``waited_for``: worker -> seconds pulls waited for it);
+  ``init(stats=path)`` writes all of them as JSON at exit; with ``--report`` every
+  worker hands them to ``pycoll.timeline`` at shutdown (``waited_for`` maps there name
+  the stragglers).
 - Checkpoints (``checkpoints``): with ``checkpoint_dir``, servers save numbered
   generations (raw arrays and a JSON manifest with checksums, written durably; the last
   two kept) on ``checkpoint()`` (collective over workers), when worker 0 asks every

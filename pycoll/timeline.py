@@ -183,8 +183,7 @@ def _add(ph, name, cat, start, dur, args) -> None:
 
 def _async(name, cat, start, end, args) -> None:
     span = next(_ids)
-    if len(_events) + 2 > (_events.maxlen or math.inf):
-        _dropped[0] += 2
+    _dropped[0] += max(0, len(_events) + 2 - (_events.maxlen or math.inf))
     _events.append(("b", name, cat, start, 0, 0, args, span))
     _events.append(("e", name, cat, end, 0, 0, {}, span))
 

@@ -398,7 +398,7 @@ class _Entry:
     """A send or receive whose completion waits for its modelled time: behind a
     generalized request (Isend, Irecv), or a blocking Send waiting on ``event``."""
     __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
-                 "cancelled", "keep", "taken", "event", "queued", "asked")
+                 "cancelled", "keep", "taken", "event", "queued", "asked", "posted")
 
     def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
         self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
@@ -407,6 +407,7 @@ class _Entry:
         self.count = 0
         self.cancelled = self.queued = False
         self.asked = None               # a receive: (cid, source, tag) as posted (ANY: -1)
+        self.posted = time.monotonic()  # the timeline marks it from here to its release
 
 
 def _query(status, entry: _Entry) -> None:
@@ -856,6 +857,9 @@ class _Emulator:
                 entry.grequest.Complete()
                 entry.grequest = None
                 moved = True
+                if timeline.on:
+                    timeline.interval("emulated " + ("send" if entry.send else "receive"),
+                                      "emulated", entry.posted, now)
         return moved, late
 
     def _release_all(self) -> None:

@@ -120,7 +120,8 @@ def test_steps_limit_the_recording():
 
 
 def test_parameter_server_on_the_timeline_and_in_the_report():
-    out, events = _job(3, "--servers", "1", "--slowdown", "1:4", "--report", "ps", "4")
+    out, events = _job(3, "--servers", "1", "--slowdown", "1:4", "--report", "--link",
+                       "100us,1GB/s", "ps", "4")
     assert {e["pid"] for e in events if e["ph"] == "b" and e["name"] == "push_pull server 0"} \
         == {0, 1}
     names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -129,3 +130,5 @@ def test_parameter_server_on_the_timeline_and_in_the_report():
     assert waits and all(e["pid"] == 2 and e["args"]["reason"] == "staleness" for e in waits)
     assert any(e["args"]["waited_for"] == [1] for e in waits)
     assert "waited for most: rank 1 (" in out, out
+    paced = {(e["pid"], e["name"]) for e in events if e.get("cat") == "emulated" and e["ph"] == "b"}
+    assert {(0, "emulated send"), (2, "emulated receive")} <= paced, paced

@@ -20,7 +20,10 @@ false unless a timeline or a report was asked for) before they build anything, s
 with neither the cost is that test; a hook that runs per operation uses ``phase``,
 which then returns one shared no-op context. While a timeline or a report is
 configured, the blocking allreduce leaves the compiled short path (which records
-nothing) for the general one.
+nothing) for the general one. A new layer marks its work the same way (``phase`` on
+its thread, ``interval`` for what overlaps, e.g. iPart's partitions); a PS policy
+names why a pull waits by ``Policy.why_wait`` (R²SP's turn), and PS counters with a
+``waited_for`` map (rank -> seconds) feed the report.
 
 Memory is bounded: at most PYCOLL_TIMELINE_MAX_EVENTS events per rank are kept, the
 oldest dropped first (the trace says how many); ``--timeline-steps A-B`` records steps

@@ -52,6 +52,7 @@ bench: install
 	$(RUN) -np 2 python bench/fusion.py --json bench/results/fusion-np2.json
 	$(RUN) -np 4 python bench/fusion.py --json bench/results/fusion-np4.json
 	for n in 2 4; do $(RUN) -np $$n python bench/check_cost.py || exit 1; done
+	$(RUN) -np 2 python bench/timeline_cost.py
 	for n in 2 4; do $(RUN) -np $$n python bench/torch_training.py --json bench/results/torch-training-np$$n.json || exit 1; done
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results

@@ -20,8 +20,7 @@ from pycoll import config      # pycoll starts MPI only on init(), never on impo
 
 PYTHON_NAMES = ("python", "python3")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
+BOOLEANS = ("1", "0", "true", "false", "yes", "no", "on", "off")
 
 
 def find_mpiexec() -> str:
@@ -208,10 +207,25 @@ def run(cmd, env) -> int:
     return status if status >= 0 else 128 - status
 
 
+def expand_switches(argv, parser) -> list:
+    """A boolean knob's flag alone means 1 (`--report` = `--report 1`): among pycollrun's
+    own options, before the program's command, a `1` goes after each that no boolean
+    follows."""
+    switches = {k.flag for k in config.KNOBS.values() if isinstance(k.default, bool)}
+    argv, i = list(argv), 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        word = argv[i]
+        if word in switches and (i + 1 == len(argv) or argv[i + 1].lower() not in BOOLEANS):
+            argv.insert(i + 1, "1")
+        action = parser._option_string_actions.get(word)
+        i += 1 if action is None or action.nargs == 0 or "=" in word else 2
+    return argv
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parsed and checked options; `.knob_env` holds the PYCOLL_* variables to set."""
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_switches(sys.argv[1:] if argv is None else argv, parser))
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
     if not args.command:

@@ -16,7 +16,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, emulation, runtime, tensors
+from . import _C, config, emulation, runtime, tensors, timeline
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
@@ -191,7 +191,8 @@ def _allreduce_one(item: _Allreduce):
               else _pieces(dst.nbytes, itemsize, chunk))
     for offset, nbytes in pieces:
         send = MPI.IN_PLACE if src.ptr == dst.ptr else message(src.ptr + offset, nbytes, src.dtype)
-        grp.comm.Allreduce(send, message(dst.ptr + offset, nbytes, dst.dtype), reduction)
+        with timeline.phase("in MPI"):
+            grp.comm.Allreduce(send, message(dst.ptr + offset, nbytes, dst.dtype), reduction)
         if op is Average:
             _scale(dst, dst.ptr + offset, nbytes // itemsize, 1.0 / grp.size())
     return item.out
@@ -220,9 +221,10 @@ def _short_route(op, x) -> tuple:
 _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     mpi_error=MPI.Exception, in_place=int(MPI.IN_PLACE))
-# Mismatch checks (ranks compare what they submit) and link emulation (the modelled time
-# is added after the call) happen on the general path only.
-config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link"),
+# Mismatch checks (ranks compare what they submit), link emulation (the modelled time
+# is added after the call) and the timeline and report happen on the general path only.
+config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link")
+                                            and not timeline.configured(),
                                             config.get("chunk_bytes")))
 
 
@@ -285,13 +287,16 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
         end = begin + nbytes
         piece = dsts[0] + begin if contiguous else engine.fusion_buffer(nbytes).ctypes.data
         if not packed:
-            _C.pack(piece, srcs, sizes, begin, end)
-        grp.comm.Allreduce(MPI.IN_PLACE, message(piece, nbytes, dtype), reduction)
+            with timeline.phase("packed"):
+                _C.pack(piece, srcs, sizes, begin, end)
+        with timeline.phase("in MPI"):
+            grp.comm.Allreduce(MPI.IN_PLACE, message(piece, nbytes, dtype), reduction)
         if contiguous:
             if scale != 1.0:
                 _C.scale(piece, nbytes // itemsize, dtype, scale)
         else:
-            _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
+            with timeline.phase("unpacked"):
+                _C.unpack(piece, dsts, sizes, dtype, scale, begin, end)
 
 
 def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, reduction, scale: float) -> None:
@@ -316,7 +321,8 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, reduction, scale: f
     for k, (begin, nbytes) in enumerate(pieces):
         following = fetch(k + 1) if k + 1 < len(pieces) else None
         stage.wait(arrived)
-        many.grp.comm.Allreduce(MPI.IN_PLACE, message(at_piece[k], nbytes, dtype), reduction)
+        with timeline.phase("in MPI"):
+            many.grp.comm.Allreduce(MPI.IN_PLACE, message(at_piece[k], nbytes, dtype), reduction)
         if scale != 1.0 and not scale_on_gpu:
             _C.scale(at_piece[k], nbytes // ITEMSIZE[dtype], dtype, scale)
         back = list(_segments(sizes, begin, begin + nbytes))
@@ -451,7 +457,7 @@ def _plan_allgather(x, group, name, out=None):
             x, (sum(all_rows),) + row_shape)
         dst = given or as_buffer(result, writable=True)
         _check_counts(name, counts, "bytes")
-        with _host(src) as s, _host(dst, read=False, write=True) as d:
+        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
             grp.comm.Allgatherv(message(s, src.nbytes),
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
@@ -484,7 +490,7 @@ def _plan_broadcast(x, root, group, name, inplace):
 
     def run():
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
-        with _host(dst, read=grp.rank() == root, write=True) as d:
+        with _host(dst, read=grp.rank() == root, write=True) as d, timeline.phase("in MPI"):
             for offset, nbytes in _pieces(dst.nbytes, 1):
                 grp.comm.Bcast(message(d + offset, nbytes), root=root)
         return out
@@ -526,7 +532,7 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         grp.agree("reduce_scatter", name, dtype=src.dtype, shape=src.shape, op=op.value)
         counts = [r * row_count for r in rows]
         _check_counts(name, counts, "elements")
-        with _host(src) as s, _host(dst, read=False, write=True) as d:
+        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
             grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
                                     message(d, dst.nbytes, dst.dtype), counts,
                                     mpi_op(op, src.dtype))
@@ -568,7 +574,7 @@ def _plan_alltoall(x, splits, group, name):
         send_counts = [r * row_bytes for r in sent]
         recv_counts = [r * row_bytes for r in received]
         _check_counts(name, send_counts + recv_counts, "bytes")
-        with _host(src) as s, _host(dst, read=False, write=True) as d:
+        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
             grp.comm.Alltoallv(
                 [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
                  _displacements(send_counts), MPI.BYTE],
@@ -583,7 +589,8 @@ def _plan_barrier(group, name):
 
     def run():
         grp.agree("barrier", name)
-        grp.comm.Barrier()
+        with timeline.phase("in MPI"):
+            grp.comm.Barrier()
     return name, emulation.timed("barrier", grp.comm, 0, run)
 
 

@@ -8,7 +8,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .emulation import parse_link
 
@@ -98,6 +98,22 @@ def parse_slowdown(text: str) -> dict:
     return factors
 
 
+def parse_steps(text) -> Optional[tuple]:
+    """``--timeline-steps``: ``"10-12"`` -> (10, 12); ``"10-"`` -> (10, inf); ``"5"`` -> (5, 5)."""
+    if text is None or str(text).strip() == "":
+        return None
+    first, dash, last = str(text).strip().partition("-")
+    try:
+        first = int(first)
+        last = (int(last) if last.strip() else math.inf) if dash else first
+    except ValueError:
+        raise ValueError(f"expected steps A-B (e.g. 10-12, or 10- to the end), got {text!r}") \
+            from None
+    if first < 0 or last < first:
+        raise ValueError(f"expected steps A-B with 0 <= A <= B, got {text!r}")
+    return first, last
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -152,6 +168,20 @@ KNOBS = {k.name: k for k in (
          "entry gives that rank its own link)"),
     Knob("servers", 1, _number(int, 1, "a whole number of server ranks >= 1"),
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
+    Knob("timeline", None, lambda text: str(text) or None,
+         "PATH: write a Chrome trace (Perfetto, chrome://tracing) of every operation on "
+         "every rank to PATH at exit"),
+    Knob("timeline_steps", None, parse_steps,
+         "A-B: record the timeline from step A to step B only (steps end at "
+         "pycoll.timeline.step(); DistributedOptimizer and ps.TorchWorker call it); "
+         "A- to the end"),
+    # 200,000 events: about 40 MB of Python objects per rank.
+    Knob("timeline_max_events", 200_000, _number(int, 1, "a whole number of events >= 1"),
+         "events a rank keeps for the timeline (and collectives for the report); past it "
+         "the oldest are dropped"),
+    Knob("report", False, _bool,
+         "at exit, print a table of each rank's time computing, communicating and waiting "
+         "for peers, and the ranks everybody waited for most"),
     Knob("partial_cache_after", 3, _number(int, 0, "a whole number of uses >= 0"),
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
 )}

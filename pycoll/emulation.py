@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from . import config
+from . import config, timeline
 
 log = logging.getLogger("pycoll")
 
@@ -331,7 +331,8 @@ def _leave(entry, kind: str) -> None:
     slowest = max(row[3] for row in rows)
     total = sum(row[4] for row in rows) if kind == "allgather" else max(row[4] for row in rows)
     bandwidth = 1.0 / slowest if slowest > 0 else math.inf
-    sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
+    with timeline.phase("emulated link", "emulated", model=kind):
+        sleep_until(start + collective_time(kind, len(group.world), total, latency, bandwidth))
     _last_end[0] = time.monotonic()
 
 
@@ -397,7 +398,7 @@ class _Entry:
     """A send or receive whose completion waits for its modelled time: behind a
     generalized request (Isend, Irecv), or a blocking Send waiting on ``event``."""
     __slots__ = ("real", "grequest", "due", "send", "cid", "source", "tag", "count",
-                 "cancelled", "keep", "taken", "event", "queued", "asked")
+                 "cancelled", "keep", "taken", "event", "queued", "asked", "posted")
 
     def __init__(self, real, send: bool, due: Optional[float] = None, cid: int = 0, keep=None):
         self.real, self.send, self.due, self.cid, self.keep = real, send, due, cid, keep
@@ -406,6 +407,7 @@ class _Entry:
         self.count = 0
         self.cancelled = self.queued = False
         self.asked = None               # a receive: (cid, source, tag) as posted (ANY: -1)
+        self.posted = time.monotonic()  # the timeline marks it from here to its release
 
 
 def _query(status, entry: _Entry) -> None:
@@ -855,6 +857,9 @@ class _Emulator:
                 entry.grequest.Complete()
                 entry.grequest = None
                 moved = True
+                if timeline.on:
+                    timeline.interval("emulated " + ("send" if entry.send else "receive"),
+                                      "emulated", entry.posted, now)
         return moved, late
 
     def _release_all(self) -> None:

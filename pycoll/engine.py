@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import numpy as np
 
-from . import _C, config, tensors
+from . import _C, config, tensors, timeline
 from .work import Work
 
 
@@ -80,6 +80,8 @@ class Engine:
         batch = _Batch(lambda items: [thunk()])
         work = Work(name, self.flush, batch.done)
         batch.works.append(work)
+        if timeline.on:
+            timeline.issued(work)
         with self._lock:
             self._close_open()
             self._enqueue(batch)
@@ -99,6 +101,8 @@ class Engine:
                 if config.get("cycle_time_ms"):
                     self._wake()                # to time the new batch's cycle
             work = Work(name, self.flush, batch.done)
+            if timeline.on:
+                timeline.issued(work)
             batch.items.append(item)
             batch.works.append(work)
             batch.nbytes += nbytes
@@ -115,7 +119,7 @@ class Engine:
             return self.submit(thunk, name).wait()
         try:
             self._runner = threading.get_ident()
-            return thunk()
+            return thunk() if not timeline.on else timeline.run(thunk, (), name)
         finally:
             self._runner = None
             self.gate.release()
@@ -259,7 +263,8 @@ class Engine:
         self.gate.running_as(batch.works[0].name)
         self._runner = threading.get_ident()
         try:
-            results = batch.run(batch.items)
+            results = (batch.run(batch.items) if not timeline.on else
+                       timeline.run(batch.run, (batch.items,), batch.works[0].name, batch.works))
             if len(results) < len(batch.items):     # the ranks agreed on a prefix
                 rest = batch.split(len(results))
                 with self._lock:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from . import config
+from . import config, timeline
 
 _RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 _start = time.monotonic()
@@ -65,9 +65,11 @@ def slowdown(rank=None):
     """Wrap a compute step; on a slowed rank, sleep (factor - 1) x the step's wall time
     after it. Yields the factor. Nothing is added when the block raises."""
     factor = slowdown_factor(rank)
-    if factor <= 1.0:
+    with timeline.phase("compute", "compute", factor=factor):      # the report sums these
+        if factor <= 1.0:
+            yield factor
+            return
+        start = time.perf_counter()
         yield factor
-        return
-    start = time.perf_counter()
-    yield factor
-    time.sleep((factor - 1.0) * (time.perf_counter() - start))
+        with timeline.phase("slowdown (emulated)", "emulated"):
+            time.sleep((factor - 1.0) * (time.perf_counter() - start))

@@ -4,7 +4,7 @@ import logging
 import weakref
 from typing import Iterable, Optional
 
-from . import _C, config, emulation, hetero
+from . import _C, config, emulation, hetero, timeline
 from .engine import Engine
 from .inspector import Checker
 
@@ -33,7 +33,8 @@ class Group:
         if config.get("check"):
             if self._checker is None:
                 self._checker = Checker(self.comm, self.ranks)
-            self._checker.agree(kind, name, **details)
+            with timeline.phase("checked"):
+                self._checker.agree(kind, name, **details)
 
     def free(self, comm: bool = True) -> None:
         if self.freed:
@@ -91,6 +92,7 @@ def init(comm=None, **options) -> None:
     # Our own duplicate: pycoll's traffic never matches the user's messages on ``comm``.
     own = comm.Dup()
     hetero.mark_start()             # --slowdown windows count from here
+    timeline.begin(comm)            # with --timeline or --report: clocks aligned here
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.p2p_comm = emulation.p2p(own.Dup())  # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)

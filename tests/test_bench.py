@@ -200,3 +200,23 @@ def test_emulation_bench_smoke(tmp_path):
         assert r["model_ms"] > 0 and r["measured_ms"] > 0 and r["real_ms"] > 0
         assert r["measured_ms"] >= 0.9 * r["model_ms"], r      # never faster than the model
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_cost_and_plot_smoke(tmp_path):
+    out = run_bench(os.path.join(ROOT, "bench", "timeline_cost.py"), "--iters", "20",
+                    "--batches", "1")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["4"], ["1024"])]
+    assert len(rows) == 2 and all(len(row) == 9 for row in rows), out
+    assert "hooks while off" in out, out
+    from pycoll import timeline
+    part = dict(rank=0, role="", threads={"1": "MainThread"}, dropped=0, started=1.0,
+                events=[("X", "step 0", "step", 1.0, 0.01, 1, {}, 0),
+                        ("X", "allreduce", "op", 1.002, 0.005, 1, {}, 0),
+                        ("X", "in MPI", "phase", 1.003, 0.003, 1, {}, 0),
+                        ("b", "queued", "queue", 1.001, 0, 0, {"op": "allreduce"}, 1),
+                        ("e", "queued", "queue", 1.002, 0, 0, {}, 1)])
+    trace, png = tmp_path / "trace.json", tmp_path / "trace.png"
+    trace.write_text(json.dumps(timeline.trace([part])))
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot_timeline.py"), str(trace),
+                    str(png)], check=True, timeout=120)
+    assert png.stat().st_size > 1000

@@ -42,7 +42,10 @@ Design
   paused with probability (L/(s+1))^8, always past the bound, and released with room
   (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
-  pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
+  pulls, delay, bytes, clocks, ``waited_for``: worker -> seconds pulls waited for it);
+  ``init(stats=path)`` writes all of them as JSON at exit; with ``--report`` every
+  worker hands them to ``pycoll.timeline`` at shutdown (``waited_for`` maps there name
+  the stragglers).
 - Checkpoints (``checkpoints``): with ``checkpoint_dir``, servers save numbered
   generations (raw arrays and a JSON manifest with checksums, written durably; the last
   two kept) on ``checkpoint()`` (collective over workers), when worker 0 asks every
@@ -64,7 +67,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import config, emulation
+from .. import config, emulation, timeline
 from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
@@ -133,10 +136,12 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         raise CollectiveTimeout(f"pycoll.ps.init: not every one of the {comm.size} ranks called "
                                 f"init within {timeout:g} s; a rank may have died, hung or "
                                 "skipped it (PYCOLL_TIMEOUT sets the limit)")
+    timeline.begin(comm)                 # before the split: servers are on the timeline too
     own = emulation.p2p(comm.Dup())      # --link paces every message on it
     is_worker = own.rank < workers
     mine = own.Split(0 if is_worker else 1, own.rank)     # the workers', or the servers'
     if not is_worker:
+        timeline.role(f"PS server {own.rank - workers}")
         server = Server(own, mine, own.rank - workers, workers, policy, optimizer,
                         checkpoint_dir, timeout)
         stats = server.serve()
@@ -318,6 +323,8 @@ def shutdown() -> None:
         else:
             for work in _state.background:
                 work.wait()
+            if config.get("report"):
+                timeline.ps_counters(counters())
             if _state.stats_path:
                 mine = counters()
                 everyone = [json.loads(b) for b in _exchange(

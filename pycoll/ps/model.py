@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from .. import timeline
 from . import init_params, pull, push_pull
 
 
@@ -49,3 +50,4 @@ class TorchWorker:
             self.optimizer.step()
             values = [after - old for after, old in zip(self.params, before)]
         self._pending = push_pull(self.names, values, outs=self.params)
+        timeline.step()

@@ -53,6 +53,11 @@ class Policy:
             return 0
         return sync.clocks[worker] - int(self.staleness)
 
+    def why_wait(self, sync: SyncState, worker: int, need: int) -> str:
+        """Why a pull that needs min clock ``need`` waits (the timeline's label):
+        "staleness" (the bound), else "policy" (the policy's own rule)."""
+        return "staleness" if need <= sync.clocks[worker] - self.staleness else "policy"
+
     def __repr__(self) -> str:
         return self.name
 

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from .. import timeline
 from . import checkpoints as ckpt
 from . import wire
 from .optim import FLOATS, SGD, Shard
@@ -54,6 +55,8 @@ class _Pull:
     need: int
     since: float
     waited: float             # seconds the worker already spent on refused attempts
+    reason: str = ""          # why it waits here (policy.why_wait), if it does
+    laggards: tuple = ()      # the workers it waits for
 
 
 @dataclass
@@ -81,7 +84,8 @@ class Server:
         self.last_request = [0] * workers
         self.stats = dict(server=index, policy=policy.name, pushes=0, pulls=0,
                           delayed_pulls=0, delay_s=0.0, bytes_in=0, bytes_out=0,
-                          updates=0, checkpoints=0, resumed=False, bad_requests=0)
+                          updates=0, checkpoints=0, resumed=False, bad_requests=0,
+                          waited_for={})      # worker -> seconds pulls waited for it
         self.scratch = np.empty(wire.PIECE, np.uint8)      # one payload piece
         self.sending: List[_Sending] = []                    # replies still in flight
         self.abandoned: list = []                            # receives that never completed
@@ -147,7 +151,8 @@ class Server:
             self.last_request[worker] = req.request
             if self.refusal is not None and req.op not in (wire.STATS, wire.DONE):
                 raise _ClientError(self.refusal)
-            getattr(self, "_on_" + name)(call)
+            with timeline.phase(name, "ps", worker=worker):
+                getattr(self, "_on_" + name)(call)
         except _ClientError as err:
             self._fail(call, str(err))
         except Exception as err:                   # a bug here must not end the server
@@ -283,11 +288,16 @@ class Server:
         if not queued and self.sync.min_clock >= pull.need:
             self._answer(pull)
         elif self.policy.buffers or queued:
+            pull.reason = "order" if queued else self.policy.why_wait(self.sync, worker, pull.need)
+            pull.laggards = tuple(self.sync.slowest())
             self.pending.append(pull)
             self.stats["delayed_pulls"] += 1
         else:
             self.stats["delayed_pulls"] += 1
             slowest = self.sync.slowest()
+            if timeline.on:
+                timeline.instant("pull refused", worker=worker, laggards=slowest,
+                                 reason=self.policy.why_wait(self.sync, worker, pull.need))
             self._reply(call, wire.RETRY, laggard=slowest[0] if slowest else -1)
 
     def _on_push_pull(self, call: _Call) -> None:
@@ -466,6 +476,13 @@ class Server:
     def _answer(self, pull: _Pull) -> None:
         shards = pull.shards
         self.stats["delay_s"] += time.monotonic() - pull.since + pull.waited
+        if pull.reason:
+            waited = time.monotonic() - pull.since
+            for worker in pull.laggards:
+                self.stats["waited_for"][worker] = self.stats["waited_for"].get(worker, 0.0) \
+                    + waited / len(pull.laggards)
+            timeline.interval("pull waited", "ps wait", pull.since, worker=pull.call.worker,
+                              reason=pull.reason, waited_for=list(pull.laggards))
         if len(shards) == 1:               # straight from the parameters (see _apply)
             self._reply(pull.call, wire.OK, shards[0].params.view(np.uint8),
                         lent=shards[0].params)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C
+from .. import _C, timeline
 from ..work import wait_requests
 from ..tensors import as_buffer
 from ..work import CollectiveTimeout, Work
@@ -366,6 +366,9 @@ class Client:
             self._on_data(op, part)
 
     def _on_data(self, op: _Op, part: _Part) -> None:
+        if timeline.on:
+            timeline.interval(f"{wire.OP_NAMES[part.op]} server {part.server}", "ps",
+                              part.first_sent, op=op.name)
         if part.op == wire.PULL or part.op == wire.PUSH_PULL:
             self.counters["pull_wait_s"] += time.monotonic() - part.first_sent
         self.slots.give(part.slot)

@@ -21,6 +21,7 @@ from typing import Dict, List
 
 import torch
 
+from .. import timeline
 from . import api
 from .compression import Compression
 
@@ -172,7 +173,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        timeline.step()
+        return loss
 
     def _wrapped_step(self, closure=None):
         """The wrapped optimizer's own step, without reducing (broadcast_optimizer_state)."""

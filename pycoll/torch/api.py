@@ -93,12 +93,16 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False):
-    raise NotImplementedError("pycoll has no Horovod timeline; its Chrome trace is not yet "
-                              "available from pycoll.torch")
+    """Horovod starts its own timeline format here; pycoll's trace is set up at start."""
+    raise NotImplementedError(
+        "pycoll writes its timeline (a Chrome trace) from the start: run under "
+        f"`pycollrun --timeline {file_path}` (or PYCOLL_TIMELINE, pycoll.init(timeline=...)) "
+        "and switch recording with pycoll.timeline.start()/stop() or --timeline-steps")
 
 
 def stop_timeline():
-    raise NotImplementedError("pycoll has no Horovod timeline")
+    raise NotImplementedError("pycoll's timeline stops with pycoll.timeline.stop() and is "
+                              "written at exit; see start_timeline")
 
 
 # ---------------------------------------------------------------- process sets

@@ -233,9 +233,9 @@ def overlap(request, monkeypatch):
 
 def test_overlap_needs_a_spare_core_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(hvd.api.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(pycoll.runtime.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert hvd.api.overlap_pays(torch.ones(2))                  # a core to spare
-    monkeypatch.setattr(hvd.api.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pycoll.runtime.os, "sched_getaffinity", lambda pid: {0, 1})
     assert not hvd.api.overlap_pays(torch.ones(2))              # bound to 2 cores
     assert hvd.api.overlap_pays(torch.ones(2, device="meta"))   # compute off the CPU
 

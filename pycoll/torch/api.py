@@ -14,10 +14,9 @@ is still running. Errors of an operation that was submitted (mismatches, stalls)
 grouped forms) are differentiable, as Horovod's are.
 """
 import itertools
-import os
 import pickle
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -296,19 +295,8 @@ def is_homogeneous() -> bool:
 # ---------------------------------------------------------------- overlap
 
 def overlap_pays(tensor: torch.Tensor) -> bool:
-    """Whether communicating ``tensor`` from the engine's thread while torch computes can
-    save time: on a GPU always; on the CPU unless this rank is bound to no more cores
-    than torch computes with. A rank bound so (MPI binds ranks to cores when there are
-    enough) has no core to overlap on: the engine's thread time-slices with compute, and
-    the MPI library busy-polls while it waits for a peer whose engine thread is
-    descheduled, burning the slices it gets (2 ranks on 2 cores: DistributedOptimizer
-    1.3x slower than blocking allreduces after backward). There a blocking call from the
-    caller's thread costs less; the engine runs it in that thread. Unbound ranks (more
-    ranks than cores, where MPI also yields while it waits) overlap: at 4 ranks on 2
-    cores that made DDP 1.4x faster than blocking."""
-    if tensor.device.type != "cpu":
-        return True
-    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
+    """``runtime.overlap_pays`` for ``tensor``, computed on by torch's threads."""
+    return runtime.overlap_pays(tensor.device.type == "cpu", torch.get_num_threads())
 
 
 # ---------------------------------------------------------------- handles

@@ -13,7 +13,7 @@ callbacks in the thread that completes it, and DDP communication hooks issue col
 there and may wait for them (PowerSGD does), which on the engine's thread would wait for
 the engine itself.
 Allreduces of CPU tensors on a rank with no core to spare for overlap
-(``api.overlap_pays``) run blocking in the caller's thread instead, and return a
+(``runtime.overlap_pays``) run blocking in the caller's thread instead, and return a
 completed Work: there the engine's thread would only time-slice with DDP's backward.
 
 Collectives pycoll has no primitive for are built from one that moves no more data

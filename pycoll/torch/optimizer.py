@@ -9,7 +9,7 @@ engine together and fuse there up to ``PYCOLL_FUSION_THRESHOLD``, while backward
 ``step()`` waits for the rest, then steps.
 
 Overlap needs a core to overlap on: where a CPU rank has none to spare
-(``api.overlap_pays``), the hooks only note the gradients, and ``step()`` submits them
+(``runtime.overlap_pays``), the hooks only note the gradients, and ``step()`` submits them
 all at once (one negotiation cycle) while backward is over.
 
 ``op=Adasum`` is Horovod's delta optimizer: each parameter's local step is taken at once,

@@ -1,8 +1,8 @@
 """Running a plan on a torch model: hooks, partitions in flight, profile and counters.
 
 ``Schedule`` is shared by the parameter server (``ps.TorchWorker``) and allreduce
-training (``pycoll.torch.DistributedOptimizer``); a ``transport`` gives it the two
-operations that differ: ``issue(k, rows)`` starts partition k's transfer of its gradient
+training (``pycoll.torch.DistributedOptimizer``); a transport (``transports``, made by
+``make_transport(pieces)`` from the fixed pieces) gives it the operations that differ: ``issue(k, rows)`` starts partition k's transfer of its gradient
 rows and returns a handle; ``complete(k, handle)`` waits for it and puts the result in
 place (the PS pulled parameters, allreduce's per-parameter update once all its rows are
 in). ``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls
@@ -112,9 +112,9 @@ class Schedule:
     every rank (a collective)."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], kind: str,
-                 transport, agree: Callable[[str], str],
+                 make_transport: Callable, agree: Callable[[str], str],
                  link: Optional[Tuple[float, float]] = None, first: bool = True):
-        self.kind, self.transport, self.agree, self.first = check_schedule(kind), transport, agree, first
+        self.kind, self.agree, self.first = check_schedule(kind), agree, first
         self.params = list(params)
         self.modules, self.uses, owner = layers_of(model, self.params)
         self.tensors = [tensor_of(p, layer) for p, layer in zip(self.params, owner)]
@@ -124,6 +124,7 @@ class Schedule:
         items = planner.pieces(self.tensors, registration, self.grain)
         # The pieces are fixed (a PS declares one key per piece); plans only regroup them.
         self.pieces = sorted(items)
+        self.transport = make_transport(self.pieces)
         self._install(Plan([tuple(items)] if kind == "default" else planner.by_layer(items, self.tensors),
                            registration))
         self._ready = [False] * len(self.params)

@@ -243,8 +243,9 @@ def _overlap(opt, model, schedule):
     def allreduce(buffer, name):
         return api.allreduce_async_(buffer, name=name, op=opt.op, prescale_factor=opt._prescale,
                                     postscale_factor=opt._postscale)
-    transport = Allreduce(opt._params, allreduce, api.synchronize, opt._step_only)
-    return Schedule(model, opt._params, schedule, transport, agree, first=api.rank() == 0)
+    return Schedule(model, opt._params, schedule,
+                    lambda pieces: Allreduce(opt._params, allreduce, api.synchronize, opt._step_only),
+                    agree, first=api.rank() == 0)
 
 
 def _set_grad(p: torch.Tensor, reduced: torch.Tensor) -> None:

@@ -116,3 +116,67 @@ def test_ps_schedules_are_bit_identical_under_bsp(np_, servers):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("schedules bit-identical") == np_ - servers, out.stdout
+
+
+# ---------------------------------------------------------------- allreduce, multi-rank
+class _Checked(torch.nn.Linear):
+    """Asserts that its parameters' partitions completed before it runs; records reads."""
+    schedule = None
+    reads: list = []
+
+    def forward(self, x):
+        if _Checked.schedule is not None:
+            assert all(_Checked.schedule.arrived(p) for p in self.parameters(recurse=False))
+        _Checked.reads.append(self.weight.detach().sum().item())
+        return super().forward(x)
+
+
+def _net():
+    torch.manual_seed(4)
+    return torch.nn.Sequential(_Checked(6, 8), torch.nn.Tanh(), _Checked(8, 8), torch.nn.Tanh(),
+                               _Checked(8, 256), torch.nn.Tanh(), _Checked(256, 3)).double()
+
+
+def _steps(model, optimizer, size, rank, share, steps=5):
+    """On the global batch of ``size`` ranks, this one's ``rank::share`` share."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x = torch.randn(4 * size, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(4 * size, 3, generator=g, dtype=torch.float64)
+        optimizer.zero_grad()
+        ((model(x[rank::share]) - y[rank::share]) ** 2).sum().div(len(x)).backward()
+        optimizer.step()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["default", "layerwise", "ipart"])
+def test_allreduce_schedules_equal_synchronous_training(schedule):
+    import pycoll.torch as hvd
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    with config.overriding(ipart_grain=1024, ipart_profile_steps=1):
+        model = _net()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), op=hvd.Sum, model=model, schedule=schedule)
+        _Checked.schedule, _Checked.reads = optimizer._schedule, []
+        try:
+            _steps(model, optimizer, size, rank, size)
+        finally:
+            _Checked.schedule = None
+        optimizer.synchronize()
+    reads = _Checked.reads
+    reference = _net()
+    _Checked.reads = []
+    _steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), size, 0, 1)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(reads, _Checked.reads, rtol=1e-12, atol=1e-12)
+    plan = optimizer._schedule.plan
+    if schedule == "ipart":
+        assert plan.version == 1                                 # profiled, then planned
+        assert len({p.tensor for part in plan.parts for p in part if p.hi - p.lo < 256}) >= 1
+    assert hvd.allgather_object(plan.to_json()) == [plan.to_json()] * size
+    planner.check_cover(plan.parts, optimizer._schedule.tensors)
+    counters = optimizer._schedule.counters()
+    assert len(counters["exposed_s"]) == 4 and all(e >= 0 for e in counters["exposed_s"])

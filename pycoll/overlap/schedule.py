@@ -24,6 +24,7 @@ it together), so the planner can fit alpha and beta.
 - Counters (``counters()``): per step, the step time and the exposed communication time
   (spent waiting for partitions in forward and at ``step``).
 """
+import atexit
 import collections
 import statistics
 import time
@@ -147,6 +148,9 @@ class Schedule:
                         for i, m in enumerate(self.modules)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._make_grad_ready(i))
                         for i, p in enumerate(self.params)]
+        # Before the collectives' own exit handlers (registered earlier, so run later):
+        # the last step's partitions complete, and the parameters hold their updates.
+        atexit.register(self.finish)
 
     # ------------------------------------------------------------ plans
     def _install(self, new: Plan) -> None:
@@ -310,6 +314,7 @@ class Schedule:
                     step_s=[s for s, _ in steps], exposed_s=[e for _, e in steps])
 
     def remove(self) -> None:
+        atexit.unregister(self.finish)
         self.finish()
         for hook in self._hooks:
             hook.remove()

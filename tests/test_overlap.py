@@ -60,6 +60,19 @@ def test_plan_merges_small_layers_splits_large_ones_and_beats_both_baselines(alp
     assert [p for part in best.parts for p in part] == items            # runs, in order
 
 
+def test_calibration_makes_the_model_give_the_measured_step_time():
+    items = planner.pieces(TENSORS, ORDER, grain=64 << 10)
+    layerwise = planner.by_layer(items, TENSORS)
+    profile = _profile(50e-6, 1.25e9)
+    modelled = planner.simulate(layerwise, TENSORS, ORDER, profile)
+    slower = planner.calibrate(layerwise, TENSORS, ORDER, profile, modelled + 0.1)
+    assert slower.alpha > profile.alpha
+    assert planner.simulate(layerwise, TENSORS, ORDER, slower) == pytest.approx(modelled + 0.1)
+    assert planner.calibrate(layerwise, TENSORS, ORDER, profile, modelled / 2) == profile
+    # Per-partition costs that large leave one partition the best plan.
+    assert len(planner.choose(TENSORS, ORDER, slower, 64 << 10).parts) < len(layerwise)
+
+
 def test_pack_rows_round_trips_strided_and_partial_rows():
     a = np.arange(24, dtype=np.float32).reshape(6, 4)
     strided = np.arange(40, dtype=np.float64).reshape(10, 4)[::2, :3]  # rows 32 bytes apart

@@ -28,9 +28,14 @@ layer's bytes): its transfer hides behind that compute on the way back and again
 way forward. It always takes at least one piece. lambda trades messages (alpha each)
 against exposed time: the planner builds plans for lambda in ``LAMBDAS``, adds one
 partition per layer and one for everything, and keeps the plan whose modelled T is least.
+
+Calibration: a transfer costs more per partition than a timed probe shows (a BSP round
+waits for every worker's push; each message has software costs). So alpha is raised
+until the model gives the step time measured while profiling, under the plan then
+running (``calibrate``); a link that hides nothing then plans few partitions.
 """
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Sequence, Tuple
 
 LAMBDAS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
@@ -121,6 +126,21 @@ def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Seque
     for layer in order:
         t = max(t, arrived[layer]) + profile.forward[layer]
     return t
+
+
+def calibrate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+              profile: Profile, measured: float) -> Profile:
+    """``profile`` with the least alpha (not below its own) for which the modelled step
+    time of ``parts`` reaches ``measured``, a step time measured running ``parts``."""
+    def modelled(alpha: float) -> float:
+        return simulate(parts, tensors, order, replace(profile, alpha=alpha))
+    low, high = profile.alpha, max(profile.alpha, measured)
+    if modelled(low) >= measured:
+        return profile
+    for _ in range(50):              # modelled() grows with alpha: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if modelled(middle) < measured else (low, middle)
+    return replace(profile, alpha=high)
 
 
 def greedy(items: Sequence[Piece], tensors: Sequence[Tensor], order: Sequence[int],

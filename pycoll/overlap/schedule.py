@@ -16,8 +16,9 @@ it together), so the planner can fit alpha and beta.
   other partitions stay in flight. "default" completes everything at ``step``.
 - Plans: "default" is one partition, "layerwise" one per layer (in the modules' order),
   "ipart" starts layerwise, profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (per-layer
-  forward and backward times, measured between the hooks), probes the link (or takes
-  ``link``), and plans (``plan.choose``) on the first rank, which every rank then adopts
+  forward and backward times, measured between the hooks, and step times), probes the
+  link (or takes ``link``), calibrates alpha to the profiled step time
+  (``plan.calibrate``) and plans (``plan.choose``) on the first rank, which every rank then adopts
   (``agree``). Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the
   mean step time with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative)
   every rank profiles and plans again. A plan changes only with nothing in flight.
@@ -170,6 +171,7 @@ class Schedule:
         self._bwd = [0.0] * len(self.modules)
         self._done: Dict[int, float] = {}
         self._profiled = 0
+        self._profiled_steps: List[float] = []     # step times while profiling
         self._forward_end = 0.0
 
     def _planned(self) -> Plan:
@@ -181,6 +183,9 @@ class Schedule:
             order = self._forward_order + [l for l in range(len(self.modules))
                                            if l not in self._forward_order]
             profile = Profile([f / n for f in self._fwd], [b / n for b in self._bwd], alpha, beta)
+            if self._profiled_steps:
+                profile = planner.calibrate(self.plan.parts, self.tensors, self.plan.order,
+                                            profile, statistics.median(self._profiled_steps))
             text = planner.choose(self.tensors, order, profile, self.grain,
                                 self.plan.version + 1).to_json()
         return Plan.from_json(self.agree(text))
@@ -223,6 +228,8 @@ class Schedule:
         self._next = len(self.plan.parts) - 1
         if self._last_step_at is not None:
             self.history.append((time.perf_counter() - self._last_step_at, self._exposed))
+            if self._profiling and self._step > 1:
+                self._profiled_steps.append(self.history[-1][0])
         self._exposed = 0.0
         self._last_step_at = time.perf_counter()
         self._step += 1

@@ -150,7 +150,7 @@ def _net():
                                _Checked(8, 256), torch.nn.Tanh(), _Checked(256, 3)).double()
 
 
-def _steps(model, optimizer, size, rank, share, steps=5):
+def _steps(model, optimizer, size, rank, share, steps=4):
     """On the global batch of ``size`` ranks, this one's ``rank::share`` share."""
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
@@ -192,4 +192,4 @@ def test_allreduce_schedules_equal_synchronous_training(schedule):
     assert hvd.allgather_object(plan.to_json()) == [plan.to_json()] * size
     planner.check_cover(plan.parts, optimizer._schedule.tensors)
     counters = optimizer._schedule.counters()
-    assert len(counters["exposed_s"]) == 4 and all(e >= 0 for e in counters["exposed_s"])
+    assert len(counters["exposed_s"]) == 3 and all(e >= 0 for e in counters["exposed_s"])

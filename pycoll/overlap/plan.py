@@ -11,7 +11,7 @@ Cost model, one worker, one iteration (layers l = 1..L in forward order, forward
 F_l, backward time B_l, measured):
 - A partition P costs c(P) = alpha + bytes(P) / beta on the link: its gradients'
   allreduce, or its push and pull to the parameter server; alpha and beta are fitted to
-  timed transfers at start, or given (the emulated link's).
+  transfers timed when planning (under ``--link``, the emulated link's times).
 - Backward runs L..1. Partition k may go once every layer it holds pieces of is done
   backward; partitions go one at a time in the order K..1 (every rank the same order),
   so partition k starts at max(ready_k, end_{k+1}) and ends c(P_k) later.

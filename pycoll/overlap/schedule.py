@@ -17,9 +17,9 @@ it together), so the planner can fit alpha and beta.
 - Plans: "default" is one partition, "layerwise" one per layer (in the modules' order),
   "ipart" starts layerwise, profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (per-layer
   forward and backward times, measured between the hooks, and step times), probes the
-  link (or takes ``link``), calibrates alpha to the profiled step time
-  (``plan.calibrate``) and plans (``plan.choose``) on the first rank, which every rank then adopts
-  (``agree``). Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the
+  link (timed transfers: under ``--link``, the emulated link's times), calibrates alpha
+  to the profiled step time (``plan.calibrate``) and plans (``plan.choose``) on the
+  first rank, whose plan every rank adopts (``agree``). Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the
   mean step time with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative)
   every rank profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
@@ -114,14 +114,12 @@ class Schedule:
     every rank (a collective)."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], kind: str,
-                 make_transport: Callable, agree: Callable[[str], str],
-                 link: Optional[Tuple[float, float]] = None, first: bool = True):
+                 make_transport: Callable, agree: Callable[[str], str], first: bool = True):
         self.kind, self.agree, self.first = check_schedule(kind), agree, first
         self.params = list(params)
         self.modules, self.uses, owner = layers_of(model, self.params)
         self.tensors = [tensor_of(p, layer) for p, layer in zip(self.params, owner)]
         self.grain = int(config.get("ipart_grain"))
-        self.link = link
         registration = list(range(len(self.modules)))
         items = planner.pieces(self.tensors, registration, self.grain)
         # The pieces are fixed (a PS declares one key per piece); plans only regroup them.
@@ -176,7 +174,7 @@ class Schedule:
 
     def _planned(self) -> Plan:
         """The first rank's plan from its profile (every rank calls it together)."""
-        alpha, beta = self.link or self._probe()
+        alpha, beta = self._probe()
         text = ""
         if self.first:
             n = max(self._profiled, 1)

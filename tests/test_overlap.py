@@ -193,3 +193,17 @@ def test_allreduce_schedules_equal_synchronous_training(schedule):
     planner.check_cover(plan.parts, optimizer._schedule.tensors)
     counters = optimizer._schedule.counters()
     assert len(counters["exposed_s"]) == 3 and all(e >= 0 for e in counters["exposed_s"])
+
+
+@pytest.mark.mpi
+def test_schedules_refuse_what_they_cannot_do():
+    import pycoll.torch as hvd
+    hvd.init()
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs model="):
+        hvd.DistributedOptimizer(sgd, schedule="ipart")
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd, model=model, schedule="layerwise", backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="not in the model"):
+        hvd.DistributedOptimizer(sgd, model=torch.nn.Linear(2, 2), schedule="default")

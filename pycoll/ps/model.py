@@ -20,7 +20,9 @@ class TorchWorker:
     ``schedule`` (``pycoll.overlap``): "default" is the above; "layerwise" and "ipart"
     (server-side optimizer only) push partitions of gradient rows during backward and
     wait in each layer's forward pre-hook for its own rows only: ``pull`` returns at once,
-    and each piece of a parameter is its own key (``<name>[lo:hi]`` when split).
+    and each piece of a parameter is its own key (``<name>[lo:hi]`` when split). Exposed
+    communication: ``schedule.counters()`` per step, or ``pull_wait_s`` (all the time
+    "default" spent waiting in ``pull``).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,

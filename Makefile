@@ -57,6 +57,7 @@ bench: install
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results
 	$(PY) bench/ripples_training.py --out bench/results/ripples-training
+	$(PY) bench/overlap.py --out bench/results
 	$(PY) bench/emulation.py --json bench/results/emulation.json --plot bench/results/emulation.png
 
 # make reproduce: each paper's headline experiment and one report (QUICK=1: a few minutes);

@@ -8,6 +8,7 @@
 
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "partition.h"
 #include "short_path.h"
 
 namespace py = pybind11;
@@ -20,6 +21,10 @@ using Sizes = std::vector<size_t>;
 using Release = py::call_guard<py::gil_scoped_release>;
 
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+Rows rows_of(const Ptrs& bases, const Sizes& row_bytes, const Sizes& strides, const Sizes& lo, const Sizes& hi) {
+    return Rows{bases, row_bytes, strides, lo, hi};
+}
 
 std::vector<const void*> const_ptrs(const Ptrs& ps) {
     std::vector<const void*> out(ps.size());
@@ -127,6 +132,28 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dst"), py::arg("src"), py::arg("count"), py::arg("src_dtype"), py::arg("dst_dtype"), Release(),
         "float32 <-> float16/bfloat16, round to nearest even.");
 
+    // ---- iPart's partitions: row ranges of many tensors <-> one buffer (partition.h) ----
+    m.def("rows_nbytes", [](const Ptrs& b, const Sizes& w, const Sizes& s, const Sizes& lo, const Sizes& hi) {
+            return rows_nbytes(rows_of(b, w, s, lo, hi)); },
+        py::arg("bases"), py::arg("row_bytes"), py::arg("strides"), py::arg("lo"), py::arg("hi"),
+        "Bytes that rows [lo[i], hi[i]) of the tensors hold together.");
+    m.def(
+        "pack_rows",
+        [](uintptr_t dst, const Ptrs& b, const Sizes& w, const Sizes& s, const Sizes& lo, const Sizes& hi) {
+            cpu::pack_rows(ptr(dst), rows_of(b, w, s, lo, hi));
+        },
+        py::arg("dst"), py::arg("bases"), py::arg("row_bytes"), py::arg("strides"), py::arg("lo"), py::arg("hi"),
+        Release(),
+        "Copy rows [lo[i], hi[i]) of each tensor (rows of row_bytes[i] bytes, strides[i] apart, from bases[i]) back "
+        "to back into dst.");
+    m.def(
+        "unpack_rows",
+        [](uintptr_t src, const Ptrs& b, const Sizes& w, const Sizes& s, const Sizes& lo, const Sizes& hi) {
+            cpu::unpack_rows(ptr(src), rows_of(b, w, s, lo, hi));
+        },
+        py::arg("src"), py::arg("bases"), py::arg("row_bytes"), py::arg("strides"), py::arg("lo"), py::arg("hi"),
+        Release(), "Inverse of pack_rows.");
+
 #ifdef PYCOLL_WITH_CUDA
     // ---- CUDA: same kernels on device pointers, asynchronous on `stream` ----
     m.def(
@@ -197,5 +224,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ptrs"), py::arg("nbytes"), py::arg("dtype"), py::arg("factor"), py::arg("device"), Release(),
         "In place ptrs[i] *= factor (nbytes[i] bytes each, float dtypes) on cuda_copy_stream(device), after the "
         "copies started there.");
+    m.def(
+        "cuda_pack_rows",
+        [](uintptr_t dst, const Ptrs& b, const Sizes& w, const Sizes& s, const Sizes& lo, const Sizes& hi,
+           uintptr_t stream) { cuda::pack_rows(ptr(dst), rows_of(b, w, s, lo, hi), stream); },
+        py::arg("dst"), py::arg("bases"), py::arg("row_bytes"), py::arg("strides"), py::arg("lo"), py::arg("hi"),
+        py::arg("stream") = 0, Release(), "pack_rows on device pointers, asynchronous on stream.");
+    m.def(
+        "cuda_unpack_rows",
+        [](uintptr_t src, const Ptrs& b, const Sizes& w, const Sizes& s, const Sizes& lo, const Sizes& hi,
+           uintptr_t stream) { cuda::unpack_rows(ptr(src), rows_of(b, w, s, lo, hi), stream); },
+        py::arg("src"), py::arg("bases"), py::arg("row_bytes"), py::arg("strides"), py::arg("lo"), py::arg("hi"),
+        py::arg("stream") = 0, Release(), "unpack_rows on device pointers, asynchronous on stream.");
 #endif
 }

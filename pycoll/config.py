@@ -184,6 +184,16 @@ KNOBS = {k.name: k for k in (
          "for peers, and the ranks everybody waited for most"),
     Knob("partial_cache_after", 3, _number(int, 0, "a whole number of uses >= 0"),
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
+    Knob("ipart_grain", 256 * 2**10, _number(int, 1, "a whole number of bytes >= 1"),
+         "pycoll.overlap: bytes: iPart splits larger parameters into row runs of at most this "
+         "size (one row at least), the units its partitions are made of"),
+    Knob("ipart_profile_steps", 3, _number(int, 1, "a whole number of steps >= 1"),
+         "pycoll.overlap: steps iPart profiles (after the first) before it plans"),
+    Knob("ipart_replan_every", 50, _number(int, 0, "a whole number of steps >= 0"),
+         "pycoll.overlap: iPart checks for drift of the step time this often (0: never)"),
+    Knob("ipart_drift", 0.25, _number(float, 0, "a positive, finite fraction", above=True),
+         "pycoll.overlap: iPart profiles and plans again when the mean step time moves this "
+         "fraction away from the one after planning"),
 )}
 
 _overrides: dict = {}

@@ -12,6 +12,10 @@ Overlap needs a core to overlap on: where a CPU rank has none to spare
 (``runtime.overlap_pays``), the hooks only note the gradients, and ``step()`` submits them
 all at once (one negotiation cycle) while backward is over.
 
+``schedule=`` ("default", "layerwise", "ipart"; needs ``model=``) hands the gradients to
+``pycoll.overlap`` instead: partitions of rows allreduced in one order on every rank,
+each parameter updated as its reduction completes, by the next forward's pre-hooks.
+
 ``op=Adasum`` is Horovod's delta optimizer: each parameter's local step is taken at once,
 and the step's delta is what Adasum combines.
 """
@@ -30,7 +34,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (see ``DistributedOptimizer``)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                 schedule=None, model=None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
@@ -51,7 +56,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = _parameter_groups(self._params, groups, self._parameter_names,
                                          process_set)
         self._hooks = []
-        if process_set.included() and api.size() > 1:
+        self._schedule = None
+        if schedule is not None:
+            self._schedule = _overlap(self, model, schedule)
+        elif process_set.included() and api.size() > 1:
             self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_ready)
                            for p in self._params]
         self.set_backward_passes_per_step(backward_passes_per_step)
@@ -128,7 +136,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ synchronization
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce. Gradients this rank did not compute
-        (unused parameters) are reduced as zeros: other ranks may have computed them."""
+        (unused parameters) are reduced as zeros: other ranks may have computed them.
+        With a ``schedule``: apply every update still in flight (e.g. before evaluating)."""
+        if self._schedule is not None:
+            self._schedule.finish()
+            return
         if not self.process_set.included():
             self._synchronized = True
             return
@@ -164,6 +176,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._schedule is not None:       # updates happen as partitions complete
+            loss = closure() if closure is not None else None
+            self._schedule.step()
+            timeline.step()
+            return loss
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -181,12 +198,58 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's own step, without reducing (broadcast_optimizer_state)."""
         return super(self.__class__, self).step(closure)
 
+    def _step_only(self, params, grads) -> None:
+        """The wrapped optimizer's step of ``params`` alone, with gradients ``grads``
+        (a schedule's reduced ones); the others and their gradients are left alone."""
+        chosen = {id(p) for p in params}
+        stashed = [group["params"] for group in self.param_groups]
+        kept = [p.grad for p in params]
+        for group in self.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in chosen]
+        for p, g in zip(params, grads):
+            p.grad = g
+        try:
+            super(self.__class__, self).step()
+        finally:
+            for group, members in zip(self.param_groups, stashed):
+                group["params"] = members
+            for p, g in zip(params, kept):
+                p.grad = g
+
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
                                  "but before optimizer.step() or optimizer.synchronize(). "
                                  "This is prohibited as it can cause a race condition.")
         return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _overlap(opt, model, schedule):
+    """A ``pycoll.overlap`` schedule for ``opt``'s parameters: its partitions allreduced
+    with ``opt``'s op and factors, its updates by ``opt._step_only``."""
+    from ..overlap import Schedule, check_schedule
+    from ..overlap.transports import Allreduce
+    check_schedule(schedule)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"DistributedOptimizer(schedule={schedule!r}) needs model=, the "
+                         "torch.nn.Module being trained (its layers get the forward hooks)")
+    if opt.backward_passes_per_step != 1 or opt._compression is not Compression.none or \
+            opt.sparse_as_dense or opt._groups or opt.process_set is not api.global_process_set:
+        raise ValueError("DistributedOptimizer(schedule=...) takes none of "
+                         "backward_passes_per_step > 1, compression, sparse_as_dense, groups "
+                         "or a process set; leave them at their defaults")
+    agreed = [0]
+
+    def agree(text: str) -> str:
+        agreed[0] += 1
+        return api.broadcast_object(text, root_rank=0, name=f"pycoll.overlap.agree.{agreed[0]}")
+
+    def allreduce(buffer, name):
+        return api.allreduce_async_(buffer, name=name, op=opt.op, prescale_factor=opt._prescale,
+                                    postscale_factor=opt._postscale)
+    return Schedule(model, opt._params, schedule,
+                    lambda pieces: Allreduce(opt._params, allreduce, api.synchronize, opt._step_only),
+                    agree, first=api.rank() == 0)
 
 
 def _set_grad(p: torch.Tensor, reduced: torch.Tensor) -> None:
@@ -346,14 +409,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step: int = 1, op=api.Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups=None, sparse_as_dense: bool = False,
-                         process_set=api.global_process_set):
+                         process_set=api.global_process_set, schedule=None, model=None):
     """Wrap ``optimizer`` so that its gradients are averaged (``op``) over the ranks.
 
     Returns an optimizer of the same class. ``backward_passes_per_step``: local
     accumulation before each allreduce. ``groups``: an int, or lists of parameters whose
     gradients are reduced together once all of them are ready. ``sparse_as_dense``:
     reduce sparse gradients as dense tensors (else by allgathers). ``op=Adasum``: Horovod's
-    delta optimizer, combining each step's updates by Adasum.
+    delta optimizer, combining each step's updates by Adasum. ``schedule``: "default",
+    "layerwise" or "ipart" (``pycoll.overlap``), with ``model=`` the module trained; then
+    ``step()`` returns at once and each parameter is updated when its reduction completes,
+    at the latest in the next forward (``synchronize()`` applies all of them now).
     """
     if gradient_predivide_factor != 1.0 and op is not api.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -363,6 +429,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups = num_groups if groups is None else groups
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
+    if schedule is not None and op == api.Adasum:
+        raise ValueError("DistributedOptimizer: schedule= does not combine with op=Adasum")
     if op == api.Adasum and api.size() > 1:
         if process_set is not api.global_process_set:
             raise NotImplementedError("Adasum does not support non-global process sets yet.")
@@ -373,4 +441,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, sparse_as_dense, process_set)
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
+               schedule, model)

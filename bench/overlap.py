@@ -1,0 +1,128 @@
+"""default, layerwise and iPart schedules: step time on emulated links, PS and allreduce.
+
+    python bench/overlap.py [--workers 4 --servers 1 --link 50us,1.25GB/s --link 50us,125MB/s]
+
+Runs examples/overlap_train.py (a model of many small layers and two large ones, compute
+emulated by sleeping, so overlap shows on a few cores) once per link and mode, each job
+training with every schedule ``--rounds`` times in turn: ``--workers`` workers +
+``--servers`` servers under BSP, and ``--workers``-rank allreduce. Prints per schedule
+the median step time, the exposed communication per step, the scaling efficiency
+(compute / step, 1.0 being perfect scaling), iPart's speedups over default and
+layerwise, and step / overlap bound. Compute is the step time of the same training
+with no communication, measured in the same job on every rank at once; communication is
+the link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
+worker's bytes through the servers' links, one direction); the bound is their maximum.
+Writes bench/results/overlap.json and overlap.png.
+"""
+import argparse
+import json
+import os
+import statistics
+
+from jobs import ROOT, run_job
+
+from pycoll.emulation import collective_time, parse_link
+
+SCHEDULES = ("default", "layerwise", "ipart")
+LINKS = ("50us,1.25GB/s", "50us,125MB/s")            # 10 Gb/s and 1 Gb/s
+
+
+def run(mode, link, args) -> dict:
+    """One job: every schedule (after "local"), ``--rounds`` times; {schedule: row}."""
+    ps = mode == "ps"
+    flags = ["--link", link] + (["--servers", str(args.servers)] if ps else [])
+    ranks = args.workers + (args.servers if ps else 0)
+    out = run_job(ranks, "overlap_train.py",
+                  ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
+                   "--width", args.width, "--ms", args.ms] + (["--ps"] if ps else []),
+                  flags=flags)
+    return {row["schedule"]: row for row in out["rows"]}
+
+
+def communication(mode, link, nbytes, args) -> float:
+    """The link model's time for one step's bytes (see the docstring)."""
+    latency, bandwidth = parse_link(link).default
+    if mode == "allreduce":
+        return collective_time("allreduce", args.workers, nbytes, latency, bandwidth)
+    return latency + args.workers * nbytes / (args.servers * bandwidth)
+
+
+def table(results, args) -> list:
+    rows = []
+    for (mode, link), by in results.items():
+        compute = by["local"]["step_s"]
+        comm = communication(mode, link, by["default"]["bytes"], args)
+        bound = max(compute, comm)
+        for s in SCHEDULES:
+            r = by[s]
+            rows.append(dict(
+                mode=mode, link=link, schedule=s, step_s=r["step_s"], compute_s=compute,
+                comm_s=comm, exposed_s=r["exposed_s"], efficiency=compute / r["step_s"],
+                partitions=r["partitions"], vs_default=by["default"]["step_s"] / r["step_s"],
+                vs_layerwise=by["layerwise"]["step_s"] / r["step_s"],
+                over_bound=r["step_s"] / bound))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--link", action="append", help=f"LATENCY,BANDWIDTH (default {LINKS})")
+    parser.add_argument("--modes", default="allreduce,ps")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
+    parser.add_argument("--small", type=int, default=24)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--ms", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in turn")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    links = args.link or list(LINKS)
+    if args.quick:
+        args.steps, args.rounds = 10, 1
+    results = {(mode, link): run(mode, link, args)
+               for mode in args.modes.split(",") for link in links}
+    rows = table(results, args)
+    print(f"{args.workers} workers ({args.servers} server(s) for ps), {args.steps} steps, "
+          f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link)")
+    for (mode, link), by in results.items():
+        r = next(r for r in rows if (r["mode"], r["link"]) == (mode, link))
+        print(f"  {mode} {link}: {by['default']['bytes'] / 2**20:.2f} MiB of parameters, "
+              f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
+              f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
+    print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
+          f"{'eff':>5} {'parts':>5} {'vs dflt':>7} {'vs lw':>6} {'/bound':>6}")
+    for r in rows:
+        print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
+              f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
+              f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f}")
+    print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "overlap.json"), "w") as f:
+        json.dump(dict(rows=rows, args=vars(args)), f, indent=1)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = list(results)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(SCHEDULES)
+    for i, s in enumerate(SCHEDULES):
+        steps = [next(r["step_s"] for r in rows if (r["mode"], r["link"]) == c and r["schedule"] == s)
+                 for c in cases]
+        ax.bar([j + i * width for j in range(len(cases))], [1e3 * t for t in steps], width, label=s)
+    for j, c in enumerate(cases):
+        bound = next(max(r["compute_s"], r["comm_s"]) for r in rows if (r["mode"], r["link"]) == c)
+        ax.hlines(1e3 * bound, j - width / 2, j + 2.5 * width, colors="k", linestyles="--",
+                  label="overlap bound" if j == 0 else None)
+    ax.set_xticks([j + width for j in range(len(cases))],
+                  [f"{m}\n{link}" for m, link in cases], fontsize=8)
+    ax.set(ylabel="step time (ms)", title=f"{args.workers} workers: default, layerwise, iPart")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "overlap.png"), dpi=120)
+    print("wrote", os.path.join(args.out, "overlap.json"), "and overlap.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Train a model of many small layers and a few large ones under overlap schedules.
+
+    pycollrun -np 4 --link 50us,125MB/s python examples/overlap_train.py
+    pycollrun -np 5 --servers 1 --link 50us,125MB/s python examples/overlap_train.py --ps
+
+Each layer's compute is emulated (``--ms`` of sleep per small layer's forward, four
+times that for a large one, twice forward per backward), so the ranks overlap
+communication with compute as a cluster would even on a machine with few cores. Each of
+``--schedules`` trains a fresh model for ``--steps`` steps, ``--rounds`` times in turn
+(machine noise hits them alike), after "local": the same steps with no communication,
+every rank at once (the compute a step takes on this machine). Rank 0 prints and writes
+(``--json``) per schedule the median step time and exposed communication over the
+second half of each run's steps.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import pycoll
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Layer(torch.nn.Linear):
+    """A Linear whose compute takes ``seconds`` forward (2x backward) on a cluster node."""
+
+    def __init__(self, n_in, n_out, seconds):
+        super().__init__(n_in, n_out)
+        self.seconds = seconds
+
+    def forward(self, x):
+        return torch.relu(_Sleep.apply(super().forward(x), self.seconds))
+
+
+def model(small: int, width: int, ms: float):
+    torch.manual_seed(0)
+    layers = [Layer(64, 64, ms / 1000)]
+    for i in range(small):
+        layers.append(Layer(64, 64, ms / 1000))
+        if i == small // 2:          # two large layers in the middle: iPart splits them
+            layers += [Layer(64, width, 4 * ms / 1000), Layer(width, 64, 4 * ms / 1000)]
+    layers.append(Layer(64, 8, ms / 1000))
+    return torch.nn.Sequential(*layers)
+
+
+def train(schedule: str, args) -> dict:
+    m = model(args.small, args.width, args.ms)
+    sched = None
+    if schedule == "local":
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        begin, end = (lambda: None), opt.step
+    elif args.ps:
+        import pycoll.ps as ps
+        ps.init(policy="bsp", optimizer=ps.SGD(lr=0.01, momentum=0.9))
+        worker = ps.TorchWorker(m, schedule=schedule)
+        sched, begin, end = worker.schedule, worker.pull, worker.push
+    else:
+        import pycoll.torch as hvd
+        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                                       named_parameters=m.named_parameters(), model=m,
+                                       schedule=schedule)
+        sched, begin, end = opt._schedule, (lambda: None), opt.step
+    x, y = torch.randn(16, 64), torch.randn(16, 8)
+    times, waits = [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        begin()
+        waits.append(time.perf_counter() - start)      # PS default: the pull, all exposed
+        m.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        end()
+        times.append(time.perf_counter() - start)
+    counters = sched.counters() if sched is not None else None
+    warm = args.steps // 2                   # past iPart's profiling and planning
+    if schedule == "local":
+        pass
+    elif args.ps:
+        worker.fetch()
+        ps.shutdown()
+    else:
+        opt.synchronize()                    # the last updates, still in flight
+        sched.remove()
+    return dict(step_s=statistics.median(times[warm:]),
+                exposed_s=statistics.median(counters["exposed_s"][warm - 1:] if counters
+                                            else waits[warm:]),
+                partitions=counters["partitions"] if counters else 1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--schedules", default="default,layerwise,ipart")
+    parser.add_argument("--ps", action="store_true", help="train through pycoll.ps (BSP)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--small", type=int, default=24, help="small layers (64x64)")
+    parser.add_argument("--width", type=int, default=4096, help="the large layers' width")
+    parser.add_argument("--ms", type=float, default=1.0, help="a small layer's forward, ms")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    schedules = args.schedules.split(",")
+    if args.ps:
+        import pycoll.ps as ps
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+        if world.rank >= world.size - pycoll.config.get("servers"):
+            for _ in range(args.rounds * len(schedules)):     # one job after another
+                ps.init(policy="bsp", optimizer=ps.SGD(lr=0.01, momentum=0.9), exit_servers=False)
+            return
+    else:
+        import pycoll.torch as hvd
+        hvd.init()
+    runs = {s: [] for s in ["local"] + schedules}
+    for _ in range(args.rounds):
+        for schedule in runs:
+            runs[schedule].append(train(schedule, args))
+    probe = model(args.small, args.width, args.ms)
+    rows = [dict(schedule=s, ps=args.ps, workers=pycoll.size(),
+                 step_s=statistics.median(r["step_s"] for r in rs),
+                 exposed_s=statistics.median(r["exposed_s"] for r in rs),
+                 partitions=rs[-1]["partitions"],
+                 compute_s=3 * sum(layer.seconds for layer in probe),
+                 bytes=sum(p.numel() * p.element_size() for p in probe.parameters()))
+            for s, rs in runs.items()]
+    if pycoll.rank() == 0:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(rows=rows), f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""iPart's planner: which parameter rows travel together, from measured compute and a
+link cost (pure Python; the schedules in ``schedule`` run the plans).
+
+Pieces. Each parameter tensor is rows (its first dimension; a scalar is one row) of
+``row_bytes`` bytes; a piece is a run of at most ``grain`` bytes of rows of one tensor
+(at least one row), so large tensors are split at row boundaries. Pieces are ordered by
+the forward order of the layers that own their tensors. A partition is a run of
+consecutive pieces: small layers merge, large ones split. A plan covers every piece once.
+
+Cost model, one worker, one iteration (layers l = 1..L in forward order, forward time
+F_l, backward time B_l, measured):
+- A partition P costs c(P) = alpha + bytes(P) / beta on the link: its gradients'
+  allreduce, or its push and pull to the parameter server; alpha and beta are fitted to
+  transfers timed when planning (under ``--link``, the emulated link's times).
+- Backward runs L..1. Partition k may go once every layer it holds pieces of is done
+  backward; partitions go one at a time in the order K..1 (every rank the same order),
+  so partition k starts at max(ready_k, end_{k+1}) and ends c(P_k) later.
+- The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
+  holding its pieces has arrived. Step time T = the end of the last forward, counted from
+  the start of backward. K = 1 is the default schedule, T = B + c(all) + F; the overlap
+  bound is max(B + F, c(all)); what T exceeds B + F by is exposed communication.
+
+Greedy (after the iPart paper, TPDS 2021): P_1 is the first layer's pieces (small: it
+goes last and is needed first, so its transfer is the exposed tail). Each next
+partition takes pieces in forward order while its cost stays within lambda times the
+compute of the previous partition (a piece's share of F_l + B_l is its share of the
+layer's bytes): its transfer hides behind that compute on the way back and again on the
+way forward. It always takes at least one piece. lambda trades messages (alpha each)
+against exposed time: the planner builds plans for lambda in ``LAMBDAS``, adds one
+partition per layer and one for everything, and keeps the plan whose modelled T is least.
+
+Calibration: a transfer costs more per partition than a timed probe shows (a BSP round
+waits for every worker's push; each message has software costs). So alpha is raised
+until the model gives the step time measured while profiling, under the plan then
+running (``calibrate``); a link that hides nothing then plans few partitions.
+"""
+import json
+from dataclasses import dataclass, replace
+from typing import List, NamedTuple, Sequence, Tuple
+
+LAMBDAS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+
+
+class Tensor(NamedTuple):
+    rows: int
+    row_bytes: int
+    layer: int           # the owning layer's index (into the forward order's layers)
+
+
+class Piece(NamedTuple):
+    tensor: int
+    lo: int              # rows [lo, hi)
+    hi: int
+
+
+Partition = Tuple[Piece, ...]
+
+
+@dataclass
+class Profile:
+    forward: List[float]       # F_l per layer (seconds), indexed like Tensor.layer
+    backward: List[float]      # B_l
+    alpha: float               # seconds per partition
+    beta: float                # bytes per second
+
+
+def pieces(tensors: Sequence[Tensor], order: Sequence[int], grain: int) -> List[Piece]:
+    """Every tensor's rows in runs of at most ``grain`` bytes (one row at least), in the
+    forward ``order`` of layers, tensors of a layer in index order. Empty tensors carry
+    no bytes and get no piece."""
+    if grain < 1:
+        raise ValueError(f"pycoll.overlap: grain must be >= 1 byte, got {grain}")
+    position = {layer: i for i, layer in enumerate(order)}
+    missing = {t.layer for t in tensors} - set(position)
+    if missing:
+        raise ValueError(f"pycoll.overlap: layers {sorted(missing)} are not in the order given")
+    out = []
+    for index in sorted(range(len(tensors)), key=lambda i: (position[tensors[i].layer], i)):
+        t = tensors[index]
+        if t.rows == 0 or t.row_bytes == 0:
+            continue
+        step = max(1, grain // t.row_bytes)
+        out += [Piece(index, lo, min(lo + step, t.rows)) for lo in range(0, t.rows, step)]
+    return out
+
+
+def nbytes(part: Partition, tensors: Sequence[Tensor]) -> int:
+    return sum((p.hi - p.lo) * tensors[p.tensor].row_bytes for p in part)
+
+
+def check_cover(parts: Sequence[Partition], tensors: Sequence[Tensor]) -> None:
+    """Raise ValueError unless ``parts`` hold every row of every tensor exactly once."""
+    seen = [[] for _ in tensors]
+    for part in parts:
+        for p in part:
+            if not 0 <= p.tensor < len(tensors) or not 0 <= p.lo < p.hi <= tensors[p.tensor].rows:
+                raise ValueError(f"pycoll.overlap: piece {tuple(p)} is outside the tensors")
+            seen[p.tensor].append((p.lo, p.hi))
+    for index, (ranges, t) in enumerate(zip(seen, tensors)):
+        edge = 0
+        for lo, hi in sorted(ranges):
+            if lo != edge:
+                raise ValueError(f"pycoll.overlap: tensor {index}'s rows {min(lo, edge)}.."
+                                 f"{max(lo, edge)} are {'missing' if lo > edge else 'twice'}")
+            edge = hi
+        if edge != (t.rows if t.row_bytes else 0):
+            raise ValueError(f"pycoll.overlap: tensor {index}'s rows {edge}..{t.rows} are missing")
+
+
+def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+             profile: Profile) -> float:
+    """The modelled step time T of ``parts`` (see the module's docstring)."""
+    done, t = {}, 0.0
+    for layer in reversed(order):
+        t += profile.backward[layer]
+        done[layer] = t
+    backward_end, end = t, 0.0
+    arrived = {layer: 0.0 for layer in order}
+    for part in reversed(parts):
+        ready = max(done[tensors[p.tensor].layer] for p in part)
+        end = max(ready, end) + profile.alpha + nbytes(part, tensors) / profile.beta
+        for p in part:
+            layer = tensors[p.tensor].layer
+            arrived[layer] = max(arrived[layer], end)
+    t = backward_end
+    for layer in order:
+        t = max(t, arrived[layer]) + profile.forward[layer]
+    return t
+
+
+def calibrate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+              profile: Profile, measured: float) -> Profile:
+    """``profile`` with the least alpha (not below its own) for which the modelled step
+    time of ``parts`` reaches ``measured``, a step time measured running ``parts``."""
+    def modelled(alpha: float) -> float:
+        return simulate(parts, tensors, order, replace(profile, alpha=alpha))
+    low, high = profile.alpha, max(profile.alpha, measured)
+    if modelled(low) >= measured:
+        return profile
+    for _ in range(50):              # modelled() grows with alpha: bisect
+        middle = (low + high) / 2
+        low, high = (middle, high) if modelled(middle) < measured else (low, middle)
+    return replace(profile, alpha=high)
+
+
+def greedy(items: Sequence[Piece], tensors: Sequence[Tensor], order: Sequence[int],
+           profile: Profile, lam: float) -> List[Partition]:
+    """The greedy partitions for one lambda (see the module's docstring)."""
+    layer_bytes = {}
+    for p in items:
+        t = tensors[p.tensor]
+        layer_bytes[t.layer] = layer_bytes.get(t.layer, 0) + (p.hi - p.lo) * t.row_bytes
+
+    def compute(p: Piece) -> float:
+        t = tensors[p.tensor]
+        return ((profile.forward[t.layer] + profile.backward[t.layer])
+                * (p.hi - p.lo) * t.row_bytes / layer_bytes[t.layer])
+
+    first = order[0] if order else None
+    parts, current, budget, cost = [], [], 0.0, 0.0
+    for p in items:
+        size = (p.hi - p.lo) * tensors[p.tensor].row_bytes
+        grow = tensors[p.tensor].layer == first if not parts else \
+            cost + size / profile.beta <= budget
+        if current and not grow:
+            parts.append(tuple(current))
+            budget = lam * sum(compute(q) for q in current)
+            current, cost = [], profile.alpha
+        current.append(p)
+        cost = (cost or profile.alpha) + size / profile.beta
+    if current:
+        parts.append(tuple(current))
+    return parts
+
+
+def by_layer(items: Sequence[Piece], tensors: Sequence[Tensor]) -> List[Partition]:
+    """One partition per layer (the layerwise schedule)."""
+    parts: List[List[Piece]] = []
+    for p in items:
+        if parts and tensors[parts[-1][-1].tensor].layer == tensors[p.tensor].layer:
+            parts[-1].append(p)
+        else:
+            parts.append([p])
+    return [tuple(part) for part in parts]
+
+
+@dataclass
+class Plan:
+    parts: List[Partition]
+    order: List[int]           # layers in forward order
+    predicted_s: float = 0.0   # modelled step time (0: not planned from a profile)
+    version: int = 0           # how many plans came before (names the partitions' messages)
+
+    def to_json(self) -> str:
+        return json.dumps(dict(parts=[[list(p) for p in part] for part in self.parts],
+                               order=self.order, predicted_s=self.predicted_s,
+                               version=self.version))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        return cls([tuple(Piece(*p) for p in part) for part in d["parts"]], d["order"],
+                   d["predicted_s"], d["version"])
+
+
+def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, grain: int,
+         version: int = 0) -> Plan:
+    """The best of the greedy plans (and layerwise, and one partition) by modelled T."""
+    items = pieces(tensors, order, grain)
+    if not items:
+        raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")
+    candidates = [greedy(items, tensors, order, profile, lam) for lam in LAMBDAS]
+    candidates += [by_layer(items, tensors), [tuple(items)]]
+    scored = [(simulate(parts, tensors, order, profile), len(parts), i)
+              for i, parts in enumerate(candidates)]
+    best, _, index = min(scored)
+    return Plan(candidates[index], list(order), best, version)

@@ -1,0 +1,209 @@
+"""pycoll.overlap: the planner and the partition primitives in-process; allreduce
+training with each schedule at every rank count; the parameter server's schedules
+through whole jobs (tests/overlap_job.py)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pycoll import _C, config  # noqa: E402
+from pycoll.overlap import plan as planner  # noqa: E402
+from pycoll.overlap import schedule as sched  # noqa: E402
+from pycoll.overlap.plan import Piece, Profile, Tensor  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+# Many small layers and two large ones (rows of 4 KiB).
+TENSORS = [Tensor(64, 256, 0), Tensor(1, 256, 0)] + \
+    [Tensor(16, 64, l) for l in range(1, 9)] + [Tensor(512, 4096, 9), Tensor(1, 4096, 9)]
+ORDER = list(range(10))
+
+
+def _profile(alpha, beta, compute=1e-3):
+    return Profile([compute] * 10, [2 * compute] * 10, alpha, beta)
+
+
+def test_pieces_split_large_tensors_at_rows_and_cover_every_byte_once():
+    items = planner.pieces(TENSORS, ORDER, grain=64 << 10)
+    big = [p for p in items if p.tensor == 10]
+    assert len(big) == 32 and all(p.hi - p.lo == 16 for p in big)       # 64 KiB of 4 KiB rows
+    planner.check_cover([tuple(items)], TENSORS)
+    with pytest.raises(ValueError, match="twice"):
+        planner.check_cover([tuple(items), (items[0],)], TENSORS)
+    with pytest.raises(ValueError, match="missing"):
+        planner.check_cover([tuple(items[1:])], TENSORS)
+    one_row = planner.pieces([Tensor(3, 1 << 20, 0)], [0], grain=1024)
+    assert [(p.lo, p.hi) for p in one_row] == [(0, 1), (1, 2), (2, 3)]   # never under a row
+
+
+@pytest.mark.parametrize("alpha,beta", [(50e-6, 1.25e9), (50e-6, 125e6), (1e-3, 1e9)])
+def test_plan_merges_small_layers_splits_large_ones_and_beats_both_baselines(alpha, beta):
+    with config.overriding(ipart_grain=64 << 10):
+        grain = config.get("ipart_grain")
+    profile = _profile(alpha, beta)
+    best = planner.choose(TENSORS, ORDER, profile, grain)
+    planner.check_cover(best.parts, TENSORS)
+    items = planner.pieces(TENSORS, ORDER, grain)
+    default = planner.simulate([tuple(items)], TENSORS, ORDER, profile)
+    layerwise = planner.simulate(planner.by_layer(items, TENSORS), TENSORS, ORDER, profile)
+    assert best.predicted_s <= min(default, layerwise)
+    total = sum(t.rows * t.row_bytes for t in TENSORS)
+    # Default is backward + everything's transfer + forward (the docstring's formula).
+    assert default == pytest.approx(30e-3 + alpha + total / beta)
+    assert best.parts[0] == tuple(p for p in items if TENSORS[p.tensor].layer == 0)
+    assert [p for part in best.parts for p in part] == items            # runs, in order
+
+
+def test_calibration_makes_the_model_give_the_measured_step_time():
+    items = planner.pieces(TENSORS, ORDER, grain=64 << 10)
+    layerwise = planner.by_layer(items, TENSORS)
+    profile = _profile(50e-6, 1.25e9)
+    modelled = planner.simulate(layerwise, TENSORS, ORDER, profile)
+    slower = planner.calibrate(layerwise, TENSORS, ORDER, profile, modelled + 0.1)
+    assert slower.alpha > profile.alpha
+    assert planner.simulate(layerwise, TENSORS, ORDER, slower) == pytest.approx(modelled + 0.1)
+    assert planner.calibrate(layerwise, TENSORS, ORDER, profile, modelled / 2) == profile
+    # Per-partition costs that large leave one partition the best plan.
+    assert len(planner.choose(TENSORS, ORDER, slower, 64 << 10).parts) < len(layerwise)
+
+
+def test_pack_rows_round_trips_strided_and_partial_rows():
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    strided = np.arange(40, dtype=np.float64).reshape(10, 4)[::2, :3]  # rows 32 bytes apart
+    args = ([a.ctypes.data, strided.ctypes.data], [16, 24], [16, 64], [1, 2], [4, 5])
+    nbytes = _C.rows_nbytes(*args)
+    assert nbytes == 3 * 16 + 3 * 24
+    buf = np.zeros(nbytes, np.uint8)
+    _C.pack_rows(buf.ctypes.data, *args)
+    assert np.array_equal(buf[:48].view(np.float32), a[1:4].ravel())
+    assert np.array_equal(buf[48:].view(np.float64), strided[2:5].ravel())
+    a2, base = np.zeros_like(a), np.zeros((10, 4))
+    _C.unpack_rows(buf.ctypes.data, [a2.ctypes.data, base.ctypes.data], [16, 24], [16, 64], [1, 2], [4, 5])
+    assert np.array_equal(a2[1:4], a[1:4]) and not a2[[0, 4, 5]].any()
+    assert np.array_equal(base[::2, :3][2:5], strided[2:5]) and not base[1::2].any()
+    with pytest.raises(ValueError, match="lo > hi"):
+        _C.pack_rows(buf.ctypes.data, [a.ctypes.data], [16], [16], [3], [2])
+    with pytest.raises(ValueError, match="overlap"):
+        _C.pack_rows(buf.ctypes.data, [a.ctypes.data], [16], [8], [0], [2])
+
+
+def test_torch_pack_rows_takes_the_cuda_kernel_for_cuda_buffers(monkeypatch):
+    """The CUDA path's Python side: device buffers go to cuda_pack_rows / cuda_unpack_rows
+    on the current stream (the kernels themselves need a GPU: tests/test_gpu.py)."""
+    calls = []
+
+    class Stream:
+        cuda_stream = 1234
+
+    class DeviceBuffer:                 # what the scheduler reads of a CUDA tensor
+        is_cuda, device = True, "cuda:0"
+
+        def data_ptr(self):
+            return 99
+    monkeypatch.setattr(sched._C, "cuda_pack_rows", lambda *a: calls.append(("pack", a)), raising=False)
+    monkeypatch.setattr(sched._C, "cuda_unpack_rows", lambda *a: calls.append(("unpack", a)), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    t = torch.arange(12.0).reshape(3, 4)
+    sched.pack_rows(DeviceBuffer(), [t], [Piece(0, 1, 3)])
+    sched.unpack_rows(DeviceBuffer(), [t], [Piece(0, 0, 1)])
+    assert calls == [("pack", (99, [t.data_ptr()], [16], [16], [1], [3], 1234)),
+                     ("unpack", (99, [t.data_ptr()], [16], [16], [0], [1], 1234))]
+
+
+def test_bad_schedule_and_missing_model_are_clear():
+    with pytest.raises(ValueError, match="'default', 'layerwise', 'ipart'"):
+        sched.check_schedule("bytescheduler")
+
+
+@pytest.mark.parametrize("np_,servers", [(3, 1), (4, 2)])
+def test_ps_schedules_are_bit_identical_under_bsp(np_, servers):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
+           str(servers), "--timeout", "30", "python", str(ROOT / "tests" / "overlap_job.py")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("schedules bit-identical") == np_ - servers, out.stdout
+
+
+# ---------------------------------------------------------------- allreduce, multi-rank
+class _Checked(torch.nn.Linear):
+    """Asserts that its parameters' partitions completed before it runs; records reads."""
+    schedule = None
+    reads: list = []
+
+    def forward(self, x):
+        if _Checked.schedule is not None:
+            assert all(_Checked.schedule.arrived(p) for p in self.parameters(recurse=False))
+        _Checked.reads.append(self.weight.detach().sum().item())
+        return super().forward(x)
+
+
+def _net():
+    torch.manual_seed(4)
+    return torch.nn.Sequential(_Checked(6, 8), torch.nn.Tanh(), _Checked(8, 8), torch.nn.Tanh(),
+                               _Checked(8, 256), torch.nn.Tanh(), _Checked(256, 3)).double()
+
+
+def _steps(model, optimizer, size, rank, share, steps=4):
+    """On the global batch of ``size`` ranks, this one's ``rank::share`` share."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x = torch.randn(4 * size, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(4 * size, 3, generator=g, dtype=torch.float64)
+        optimizer.zero_grad()
+        ((model(x[rank::share]) - y[rank::share]) ** 2).sum().div(len(x)).backward()
+        optimizer.step()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule", ["default", "layerwise", "ipart"])
+def test_allreduce_schedules_equal_synchronous_training(schedule):
+    import pycoll.torch as hvd
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    with config.overriding(ipart_grain=1024, ipart_profile_steps=1):
+        model = _net()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters(), op=hvd.Sum, model=model, schedule=schedule)
+        _Checked.schedule, _Checked.reads = optimizer._schedule, []
+        try:
+            _steps(model, optimizer, size, rank, size)
+        finally:
+            _Checked.schedule = None
+        optimizer.synchronize()
+    reads = _Checked.reads
+    reference = _net()
+    _Checked.reads = []
+    _steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), size, 0, 1)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(reads, _Checked.reads, rtol=1e-12, atol=1e-12)
+    plan = optimizer._schedule.plan
+    if schedule == "ipart":
+        assert plan.version == 1                                 # profiled, then planned
+        assert len({p.tensor for part in plan.parts for p in part if p.hi - p.lo < 256}) >= 1
+    assert hvd.allgather_object(plan.to_json()) == [plan.to_json()] * size
+    planner.check_cover(plan.parts, optimizer._schedule.tensors)
+    counters = optimizer._schedule.counters()
+    assert len(counters["exposed_s"]) == 3 and all(e >= 0 for e in counters["exposed_s"])
+
+
+@pytest.mark.mpi
+def test_schedules_refuse_what_they_cannot_do():
+    import pycoll.torch as hvd
+    hvd.init()
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs model="):
+        hvd.DistributedOptimizer(sgd, schedule="ipart")
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(sgd, model=model, schedule="layerwise", backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="not in the model"):
+        hvd.DistributedOptimizer(sgd, model=torch.nn.Linear(2, 2), schedule="default")

@@ -3,7 +3,8 @@ from typing import Optional
 
 import torch
 
-from . import init_params, pull, push_pull
+from . import _state, init_params, pull, push_pull
+from .r2sp import Pacer
 
 
 class TorchWorker:
@@ -15,10 +16,19 @@ class TorchWorker:
     at once; ``pull`` waits for them, so the transfer overlaps whatever runs in between.
     Creating it declares the parameters (every worker, same model) and loads the servers'
     values: worker 0's initial ones, or a checkpoint's.
+
+    Under R²SP (``policy="r2sp"``) give ``batch_size``: ``push`` first waits for this
+    worker's turn, and ``batch_size`` then says how many samples the next batch should
+    hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it); compute time is
+    measured from ``pull()`` to ``push()``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None):
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 batch_size: Optional[int] = None):
         self.model, self.optimizer = model, optimizer
+        self._batch_size = batch_size
+        self.pacer = Pacer(batch_size) if _state.policy is not None and _state.policy.turns \
+            else None
         self.named = [(name, p) for name, p in model.named_parameters()]
         if not self.named:
             raise ValueError("pycoll.ps.TorchWorker: the model has no parameters")
@@ -27,20 +37,32 @@ class TorchWorker:
         init_params(list(zip(self.names, self.params)))
         self._pending = None
 
+    @property
+    def batch_size(self) -> Optional[int]:
+        """The size the next batch should have (R²SP adapts it; else as given)."""
+        return self.pacer.batch_size if self.pacer is not None else self._batch_size
+
     def pull(self) -> None:
         """Wait until the parameters asked for by the last ``push`` are in the model."""
+        self._wait()
+        if self.pacer is not None:
+            self.pacer.start()                    # computing starts now
+
+    def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.wait()
 
     def fetch(self) -> None:
         """Load the servers' current parameters now (e.g. to evaluate after training)."""
-        self.pull()
+        self._wait()
         pull(self.names, self.params).wait()
 
-    def push(self) -> None:
-        """Send this step's gradients (or local step) and start fetching the new parameters."""
-        self.pull()
+    def push(self, samples: Optional[int] = None) -> None:
+        """Send this step's gradients (or local step) and start fetching the new parameters.
+        Under R²SP it waits for this worker's turn first; ``samples``: in this step's batch
+        (default ``batch_size``), which weighs the push."""
+        self._wait()
         if self.optimizer is None:
             values = [p.grad.detach().contiguous() if p.grad is not None else torch.zeros_like(p)
                       for _, p in self.named]
@@ -48,4 +70,5 @@ class TorchWorker:
             before = [p.clone() for p in self.params]
             self.optimizer.step()
             values = [after - old for after, old in zip(self.params, before)]
-        self._pending = push_pull(self.names, values, outs=self.params)
+        weight = 1.0 if self.pacer is None else self.pacer.turn(samples)
+        self._pending = push_pull(self.names, values, outs=self.params, weight=weight)

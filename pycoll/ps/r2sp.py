@@ -156,6 +156,7 @@ class Coordinator:
         self.rounds = self.out_of_turn = 0
         self.turns = [0] * workers
         self.wait_s = [0.0] * workers
+        self.longest_wait = [0.0] * workers
         self.skipped = [0] * workers
         self.missed = [0] * workers              # turns lost in a row
         self.previous = -1                       # the worker released last
@@ -213,7 +214,7 @@ class Coordinator:
                 continue
             if period is not None:
                 late = [w for w, since in self.waiting.items()
-                        if now - since >= self.policy.patience * period]
+                        if now >= since + self.policy.patience * period]   # as next_due
                 if late:
                     out.append(self._release(min(late, key=self.waiting.get), now, gap, False))
                     continue
@@ -233,15 +234,13 @@ class Coordinator:
         return due if due < math.inf else None
 
     def overdue(self, now: float) -> Optional[str]:
-        """The error for waiting workers if a worker has not come for its turn within the
-        timeout (it may have died or hung), else None."""
-        if not self.waiting:
-            return None
+        """The error for the workers asking for turns if a worker has not come for its
+        turn within the timeout (it may have died or hung), else None."""
         for w in range(self.n):
             if not self.active[w] or w in self.waiting:
                 continue
             since = self.released[w] if self.released[w] is not None else self.first_ask
-            if now - since > self.timeout:
+            if since is not None and now - since > self.timeout:
                 what = ("has not asked for its next turn since its release" if
                         self.released[w] is not None else "has never asked for a turn")
                 return (f"R²SP turns waited for worker {w} (world rank {w}), which {what} "
@@ -290,7 +289,9 @@ class Coordinator:
             self._plan()
         self.previous = worker
         self.turn = self._after(worker)
-        self.wait_s[worker] += now - self.waiting.pop(worker)
+        waited = now - self.waiting.pop(worker)
+        self.wait_s[worker] += waited
+        self.longest_wait[worker] = max(self.longest_wait[worker], waited)
         self.turns[worker] += 1
         self.released[worker] = self.last_release = now
         self.log.append((worker, now, gap, in_turn))
@@ -321,7 +322,8 @@ class Coordinator:
             period_s=self.period(), gap_s=self.gap(), rounds=self.rounds,
             out_of_turn=self.out_of_turn, global_batch=sum(self.base),
             workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
-                          skipped=self.skipped[w], batch=self.batch[w], first_batch=self.base[w],
+                          longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
+                          batch=self.batch[w], first_batch=self.base[w],
                           speed=self.speed[w], work_s=median(self.work[w]),
                           iteration_s=median(self.iteration[w])) for w in range(self.n)],
             recent_releases=[list(entry) for entry in self.log])

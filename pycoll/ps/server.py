@@ -342,6 +342,9 @@ class Server:
             raise _ClientError(f"turn requests go to server 0 under a policy with turns "
                                f"(r2sp); this is server {self.index} under {self.policy}")
         self._check_payload(call, [], [])
+        missing = self.coordinator.overdue(call.since)
+        if missing:
+            raise _ClientError(missing)
         if call.req.arg == 0:
             self.coordinator.leave(call.worker)
             self._reply(call, wire.OK, b"{}")

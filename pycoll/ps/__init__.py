@@ -289,29 +289,44 @@ def push_pull(keys, values, outs=None, weight: float = 1.0):
     return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs, weight)
 
 
-def turn(samples: int, compute_s: float = 0.0) -> Optional[dict]:
+def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
     """R²SP: wait for this worker's turn to push (see ``r2sp``). ``samples``: in the
-    gradient about to be pushed; ``compute_s``: the seconds computing it took (batch
-    sizes follow speed). Returns ``{"weight": for that push, "batch": the next batch
-    size, "period_s", "gap_s"}``. ``turn(0)`` leaves the ring (done training; asking
-    again rejoins it) and returns None."""
+    gradient to be pushed; ``busy_s``: how long this worker's last iteration took, less
+    its wait for the turn (periods and batch sizes follow it; 0 if unknown). Returns
+    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s"}``;
+    with ``wait=False`` at once, an object whose ``wait()`` returns it (ask as the
+    computing starts, wait before pushing: the gate's messages overlap the compute).
+    ``turn(0)`` leaves the ring (done training; asking again rejoins it)."""
     client = _client()
     if not _state.policy.turns:
         raise RuntimeError(f"pycoll.ps.turn() is for policies whose workers take turns "
                            f"(r2sp); this job runs {_state.policy}")
     if int(samples) != samples or samples < 0:
         raise ValueError(f"pycoll.ps.turn: samples must be an integer >= 0, got {samples!r}")
-    parts = client.control(wire.TURN, arg=int(samples), servers=[0], value=float(compute_s))
-    started = time.monotonic()
-    client.submit("pycoll.ps turn", parts).wait()
-    if not samples:
-        return None
-    answer = json.loads(bytes(parts[0].data).decode())
-    counters = client.counters
-    counters["turns"] = counters.get("turns", 0) + 1
-    counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + time.monotonic() - started
-    counters["batch_size"] = answer["batch"]
-    return answer
+    parts = client.control(wire.TURN, arg=int(samples), servers=[0], value=float(busy_s))
+
+    def answer():
+        got = json.loads(bytes(parts[0].data).decode())
+        client.counters["turns"] = client.counters.get("turns", 0) + bool(samples)
+        client.counters["batch_size"] = got.get("batch")
+        return got
+    pending = _Turn(client, client.submit("pycoll.ps turn", parts, answer))
+    return pending.wait() if wait else pending
+
+
+class _Turn:
+    """A turn asked for; ``wait()`` returns the coordinator's answer (counting the wait)."""
+
+    def __init__(self, client, work):
+        self.client, self.work = client, work
+
+    def wait(self) -> dict:
+        started = time.monotonic()
+        try:
+            return self.work.wait()
+        finally:
+            counters = self.client.counters
+            counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + time.monotonic() - started
 
 
 def _request_checkpoint(client):

@@ -19,8 +19,9 @@ class TorchWorker:
 
     Under R²SP (``policy="r2sp"``) give ``batch_size``: ``push`` first waits for this
     worker's turn, and ``batch_size`` then says how many samples the next batch should
-    hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it); compute time is
-    measured from ``pull()`` to ``push()``.
+    hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it). ``pull()`` asks for
+    the turn as the computing starts, ``push()`` waits for it, so the gate's messages
+    overlap the compute.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -46,7 +47,7 @@ class TorchWorker:
         """Wait until the parameters asked for by the last ``push`` are in the model."""
         self._wait()
         if self.pacer is not None:
-            self.pacer.start()                    # computing starts now
+            self.pacer.start()                    # computing starts: ask for the turn
 
     def _wait(self) -> None:
         if self._pending is not None:

@@ -8,11 +8,16 @@ at a time:
   (``wire.TURN``, ``pycoll.ps.turn``; ``TorchWorker`` does it). The coordinator
   releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), each at least
   ``gap`` after the previous release: ``gap = P / (safety * N)``, P the iteration period
-  (the median time between a worker's consecutive turn requests over the last
-  ``window * N`` of them), so the gate spaces pushes without stretching the period
-  (``safety`` 1.2, the authors' "about 1.2N"). Until every worker has asked once the
-  gate is closed (a start line); for the first ``warmup`` rounds there is no P yet and
-  turns go in order without spacing.
+  (the median of the workers' last ``window * N`` iteration times, computing and
+  communicating, as each reports them with its request), so the gate spaces pushes
+  without stretching the period (``safety`` 1.2, the authors' "about 1.2N"). P leaves
+  out the wait for a turn on purpose: measured with it, the gate's own delay at each
+  release fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which
+  stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for
+  its turn when its computing starts and waits for the answer before pushing, so the
+  gate's messages (which queue behind the server's big transfers) overlap the compute.
+  Until every worker has asked once the gate is closed (a start line); for the first
+  ``warmup`` rounds there is no P yet and turns go in order without spacing.
 - Bounded waits. A worker never waits for its turn longer than ``patience`` periods
   (default one): past that it is released out of turn, and the workers before it in the
   order that have not come lose this round's turn (counted as ``skipped``); one that
@@ -26,11 +31,11 @@ at a time:
   pushes at most once: a gradient is at most N-1 updates stale, unless its worker lost a
   turn (then by the rounds it missed).
 - Heterogeneity (``adapt``). Each turn request reports the samples in the gradient and
-  the seconds computing it took; the coordinator keeps each worker's speed (samples/s,
-  smoothed) and, at the start of every round after the warm-up, splits the global batch
+  the worker's last iteration time without its wait (``busy_s``); the coordinator keeps
+  each worker's speed (samples per busy second, smoothed) and, at the start of every round after the warm-up, splits the global batch
   B (the sum of the workers' first batches) in proportion to speed, each worker within
-  ``batch`` times its first batch, so every worker computes for the same time and the
-  spacing stays even. The split sums to B every round. A push weighs
+  ``batch`` times its first batch. At the split's fixed point every worker is busy for
+  the same time per iteration, so the spacing stays even. The split sums to B every round. A push weighs
   ``samples * N / B`` (the server multiplies it by that and by 1/N, as every ASP push),
   so a round of pushes moves the model by the sample-weighted mean gradient: that of
   one batch of B samples.
@@ -165,22 +170,23 @@ class Coordinator:
         self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn
 
     # ------------------------------------------------------------ requests
-    def ask(self, worker: int, samples: int, compute_s: float, now: float) -> None:
-        """``worker`` wants to push a gradient of ``samples`` that took ``compute_s``."""
+    def ask(self, worker: int, samples: int, busy_s: float, now: float) -> None:
+        """``worker`` wants to push; its last iteration took ``samples`` and was busy
+        (computing and communicating, not waiting for a turn) ``busy_s`` (0: unknown).
+        The push weighs ``samples``' share (``Pacer`` scales it to the samples it sends)."""
         if samples < 1:
             raise ValueError(f"worker {worker}'s turn request says its gradient holds {samples} "
                              "samples; pass the batch's size (>= 1) to pycoll.ps.turn")
         if worker in self.waiting:
             raise ValueError(f"worker {worker} asked for a turn while waiting for one")
         if self.asked[worker] is not None:
-            self.periods.append(now - self.asked[worker])
             self.iteration[worker].append(now - self.asked[worker])
-        if self.released[worker] is not None:
-            self.work[worker].append(now - self.released[worker])
-        else:
+        if self.released[worker] is None:
             self.base[worker] = self.batch[worker] = samples
-        if self.reports[worker] and compute_s > 0:   # the first is warm-up, not speed
-            speed = samples / compute_s
+        if self.reports[worker] and busy_s > 0:      # the first is warm-up, not speed
+            self.work[worker].append(busy_s)
+            self.periods.append(busy_s)
+            speed = samples / busy_s
             old = self.speed[worker]
             self.speed[worker] = speed if not old else old + SPEED_SMOOTHING * (speed - old)
         self.reports[worker] += 1
@@ -251,7 +257,7 @@ class Coordinator:
 
     # ------------------------------------------------------------ decisions
     def period(self) -> Optional[float]:
-        """The iteration period, once the warm-up has measured it."""
+        """The iteration period without the wait for a turn, once the warm-up measured it."""
         if self.rounds < self.policy.warmup or len(self.periods) < min(self.n, 2):
             return None
         return statistics.median(self.periods)
@@ -331,27 +337,40 @@ class Coordinator:
 
 class Pacer:
     """A worker's side of the turns, for a training loop: ``start()`` when the parameters
-    are in (compute begins), ``turn()`` before pushing; ``batch_size`` is the size of the
-    next batch to train on, which the coordinator adapts."""
+    are in (an iteration begins: it asks for the turn now), ``turn()`` before pushing
+    (waits for it); ``batch_size`` is the size of the next batch to train on, which the
+    coordinator adapts."""
 
     def __init__(self, batch_size: int):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"R²SP needs each worker's batch size (an integer >= 1), got "
                              f"{batch_size!r}: e.g. TorchWorker(model, batch_size=64)")
         self.batch_size = int(batch_size)
-        self.started = time.monotonic()
+        self.began: Optional[float] = None       # when this iteration began
+        self.waited = self.busy = 0.0
+        self.pending = None                      # the turn asked for, not yet waited for
+        self.asked = self.done = 0               # samples reported; in the last iteration
 
     def start(self) -> None:
-        self.started = time.monotonic()
+        if self.pending is not None:             # this iteration has asked already
+            return
+        from . import turn
+        now = time.monotonic()
+        if self.began is not None:               # the last iteration: samples and busy time
+            self.busy = now - self.began - self.waited
+        self.began, self.waited, self.asked = now, 0.0, self.done or self.batch_size
+        self.pending = turn(self.asked, self.busy, wait=False)
 
     def turn(self, samples: Optional[int] = None) -> float:
         """Wait for this worker's turn; the weight of the push that follows. ``samples``:
         in the gradient (default: the batch size handed out)."""
-        from . import turn
-        answer = turn(self.batch_size if samples is None else samples,
-                      time.monotonic() - self.started)
+        self.start()
+        started = time.monotonic()
+        answer, self.pending = self.pending.wait(), None
+        self.waited += time.monotonic() - started
+        self.done = self.batch_size if samples is None else samples
         self.batch_size = answer["batch"]
-        return answer["weight"]
+        return answer["weight"] * self.done / self.asked
 
 
 class AdaptiveBatchSampler:

@@ -17,8 +17,8 @@ broken to name its slot is answered with a text on ``BAD``.
 
 The arguments: CHECKPOINT's int is the BSP cut; a push's float is its weight (the server
 multiplies the pushed values by it: 1 for a plain push); TURN (R²SP's gate, to server 0)
-carries the samples of the gradient about to be pushed (int) and the seconds computing
-it took (float), and is answered, when it is the worker's turn, with JSON: the weight of
+carries the samples of the worker's last iteration (int) and the seconds it was busy
+(float), and is answered, when it is the worker's turn, with JSON: the weight of
 that push and the worker's next batch size (``r2sp``).
 
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
@@ -88,7 +88,7 @@ class Request(NamedTuple):
     table: bytes         # the raw entries and names: a server caches what it validated
     npieces: int
     nbytes: int
-    value: float         # a push's weight, a turn's compute seconds
+    value: float         # a push's weight, a turn's busy seconds
     sent: float          # the worker's clock when it sent the request
 
 

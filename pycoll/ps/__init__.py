@@ -296,7 +296,8 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
     ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s"}``;
     with ``wait=False`` at once, an object whose ``wait()`` returns it (ask as the
     computing starts, wait before pushing: the gate's messages overlap the compute).
-    ``turn(0)`` leaves the ring (done training; asking again rejoins it)."""
+    ``turn(0)`` leaves the ring (done training; asking again rejoins it) and answers a
+    turn still asked for with ``{}``."""
     client = _client()
     if not _state.policy.turns:
         raise RuntimeError(f"pycoll.ps.turn() is for policies whose workers take turns "
@@ -307,8 +308,9 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
 
     def answer():
         got = json.loads(bytes(parts[0].data).decode())
-        client.counters["turns"] = client.counters.get("turns", 0) + bool(samples)
-        client.counters["batch_size"] = got.get("batch")
+        if got:                                  # not void (the worker left the ring)
+            client.counters["turns"] = client.counters.get("turns", 0) + 1
+            client.counters["batch_size"] = got["batch"]
         return got
     pending = _Turn(client, client.submit("pycoll.ps turn", parts, answer))
     return pending.wait() if wait else pending

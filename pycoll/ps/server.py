@@ -347,7 +347,9 @@ class Server:
             raise _ClientError(missing)
         if call.req.arg == 0:
             self.coordinator.leave(call.worker)
-            self._reply(call, wire.OK, b"{}")
+            asked = self.turns.pop(call.worker, None)
+            for answered in filter(None, (asked, call)):    # a turn asked for is void now
+                self._reply(answered, wire.OK, b"{}")
         else:
             try:
                 self.coordinator.ask(call.worker, call.req.arg, call.req.value, call.since)

@@ -119,8 +119,8 @@ def main():
         if r2sp:
             print(f"  {'':<10} R²SP period {1e3 * (r2sp['period_s'] or 0):.1f} ms, gap "
                   f"{1e3 * r2sp['gap_s']:.1f} ms, out of turn {r2sp['out_of_turn']}; per worker "
-                  "batch / turn wait per turn (ms): " + " ".join(
-                      f"{w['batch']}/{1e3 * w['turn_wait_s'] / max(1, w['turns']):.1f}"
+                  "mean batch / turn wait per turn (ms): " + " ".join(
+                      f"{w['mean_batch']:.0f}/{1e3 * w['turn_wait_s'] / max(1, w['turns']):.1f}"
                       for w in r2sp["workers"]))
     by_name = {r["policy"]: r for r in rows}
     ssp, fluent = by_name.get("ssp:3"), by_name.get("fluentps:3")
@@ -139,8 +139,8 @@ def main():
     ax.axhline(100 * args.target, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy (%)", ylim=(0, 100),
            title=f"digits MLP, {args.workers} workers + {args.servers} servers"
-                 + (f", worker {args.slow.replace(':', ' slowed ')}x" if args.slow != "none" else "")
-                 + (f", link {args.link}" if args.link else ""))
+           + (f", worker {args.slow.replace(':', ' slowed ')}x" if args.slow != "none" else "")
+           + (f", link {args.link}" if args.link else ""))
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, f"{args.name}.png"), dpi=120)

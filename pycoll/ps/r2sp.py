@@ -28,17 +28,20 @@ at a time:
 - Staleness. Servers apply every push on arrival (as ASP; pulls never wait), and each
   worker pushes once per round, right after its push's answer brings it the parameters
   it computes its next gradient on. So between a worker's two pushes each other worker
-  pushes at most once: a gradient is at most N-1 updates stale, unless its worker lost a
-  turn (then by the rounds it missed).
-- Heterogeneity (``adapt``). Each turn request reports the samples in the gradient and
-  the worker's last iteration time without its wait (``busy_s``); the coordinator keeps
-  each worker's speed (samples per busy second, smoothed) and, at the start of every round after the warm-up, splits the global batch
-  B (the sum of the workers' first batches) in proportion to speed, each worker within
-  ``batch`` times its first batch. At the split's fixed point every worker is busy for
-  the same time per iteration, so the spacing stays even. The split sums to B every round. A push weighs
-  ``samples * N / B`` (the server multiplies it by that and by 1/N, as every ASP push),
-  so a round of pushes moves the model by the sample-weighted mean gradient: that of
-  one batch of B samples.
+  pushes at most once: a gradient is at most N-1 updates stale, as long as pushes reach
+  the servers in the order of their turns (the gap sees to it once the warm-up is over,
+  unless a push takes longer than a gap) and its worker did not lose a turn (then it
+  misses the rounds it lost too).
+- Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
+  iteration and how long it was busy (``busy_s``: computing and communicating, without
+  the wait for its turn); the coordinator keeps each worker's speed (samples per busy
+  second, smoothed) and, at the start of every round after the warm-up, splits the
+  global batch B (the sum of the workers' first batches) in proportion to speed, each
+  worker within ``batch`` times its first batch; the split sums to B every round. At
+  its fixed point every worker is busy for the same time per iteration, so the spacing
+  stays even. A push weighs ``samples * N / B`` (the server multiplies it by that and
+  by 1/N, as every ASP push), so a round of pushes moves the model by the
+  sample-weighted mean gradient: that of one batch of B samples.
 
 Our reading of the paper and of the authors' TensorFlow prototype (read, not copied):
 the gate at the first server, the gap of period / 1.2N and updates on arrival are
@@ -75,8 +78,10 @@ class R2SP(Policy):
         problems = [text for bad, text in (
             (not 1.0 <= safety < math.inf, f"safety must be >= 1, got {safety!r}"),
             (not 0 < patience < math.inf, f"patience must be > 0 periods, got {patience!r}"),
-            (int(warmup) != warmup or warmup < 1, f"warmup must be an integer >= 1, got {warmup!r}"),
-            (int(window) != window or window < 1, f"window must be an integer >= 1, got {window!r}"),
+            (int(warmup) != warmup or warmup < 1,
+             f"warmup must be an integer >= 1, got {warmup!r}"),
+            (int(window) != window or window < 1,
+             f"window must be an integer >= 1, got {window!r}"),
             (not 0 < low <= 1 <= high < math.inf,
              f"batch bounds must satisfy 0 < low <= 1 <= high, got {batch!r}"))
             if bad]
@@ -160,6 +165,7 @@ class Coordinator:
         self.plan: Optional[List[int]] = None
         self.rounds = self.out_of_turn = 0
         self.turns = [0] * workers
+        self.batches = [0] * workers             # the batch sizes handed out, summed
         self.wait_s = [0.0] * workers
         self.longest_wait = [0.0] * workers
         self.skipped = [0] * workers
@@ -303,6 +309,7 @@ class Coordinator:
         self.log.append((worker, now, gap, in_turn))
         if self.plan is not None:
             self.batch[worker] = self.plan[worker]
+        self.batches[worker] += self.batch[worker]
         weight = self.samples[worker] * self.n / sum(self.base)
         return worker, dict(weight=weight, batch=self.batch[worker], period_s=self.period(),
                             gap_s=gap)
@@ -330,6 +337,7 @@ class Coordinator:
             workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
                           longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
                           batch=self.batch[w], first_batch=self.base[w],
+                          mean_batch=self.batches[w] / max(1, self.turns[w]),
                           speed=self.speed[w], work_s=median(self.work[w]),
                           iteration_s=median(self.iteration[w])) for w in range(self.n)],
             recent_releases=[list(entry) for entry in self.log])

@@ -572,7 +572,7 @@ class Server:
 
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:
-        extra = {} if self.coordinator is None else dict(r2sp=self.coordinator.stats())
+        extra = {} if self.coordinator is None else {self.policy.name: self.coordinator.stats()}
         return dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
                     cpu_s=time.process_time(), generation=self.generation,
                     **self.traffic.stats(), **extra)

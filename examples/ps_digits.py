@@ -10,11 +10,15 @@ gradients workers push; each worker trains on its own share of the training set,
 pulling the parameters before each forward pass and pushing gradients after backward
 (``pycoll.ps.TorchWorker``). Worker 0 logs test accuracy against wall-clock time.
 Under R²SP workers push in turn and each batch is as large as the worker's speed
-allows (``pycoll.ps.AdaptiveBatchSampler``). ``--compute-ms`` adds that much emulated
+allows (``pycoll.ps.AdaptiveBatchSampler``). Every worker runs the same number of
+iterations, ``--epochs`` passes over its share at the first batch size (with batch sizes
+that follow speed, iterations take the same time, so the workers finish together). ``--compute-ms`` adds that much emulated
 accelerator time per sample (a sleep, which ``--slowdown`` stretches too).
 """
 import argparse
+import itertools
 import json
+import math
 import statistics
 import time
 
@@ -49,27 +53,29 @@ def main():
     model = mlp(args.seed, args.hidden)
     worker = ps.TorchWorker(model, batch_size=args.batch_size)   # worker 0 seeds the servers
     loss_fn = torch.nn.CrossEntropyLoss()
+    def batches():                                # reshuffled passes over this worker's share
+        for epoch in itertools.count(1):
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch))
+            yield from torch.utils.data.DataLoader(   # sizes follow worker.batch_size
+                train, batch_sampler=ps.AdaptiveBatchSampler(order.tolist(), worker))
+
+    per_epoch = math.ceil(len(train) / args.batch_size)
     pycoll.barrier()
-    start, curve, step, iterations = time.perf_counter(), [], 0, []
-    for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch))
-        batches = torch.utils.data.DataLoader(             # sizes follow worker.batch_size
-            train, batch_sampler=ps.AdaptiveBatchSampler(order.tolist(), worker))
-        for x, y in batches:
-            began = time.perf_counter()
-            worker.pull()                         # the parameters asked for by the last push
-            model.zero_grad()
-            with pycoll.slowdown():               # heterogeneity emulation (--slowdown)
-                loss_fn(model(x), y).backward()
-                time.sleep(args.compute_ms * 1e-3 * len(y))
-            worker.push(len(y))                   # gradients out, new parameters on their way
-            iterations.append((time.perf_counter() - began, len(y)))
-            step += 1
-            if rank == 0 and step % args.eval_every == 0:
-                worker.pull()
-                curve.append((time.perf_counter() - start, accuracy(model, data)))
-        if rank == 0:
-            print(f"epoch {epoch:3d}  test accuracy {100 * curve[-1][1]:.2f}%  "
+    start, curve, iterations = time.perf_counter(), [], []
+    for step, (x, y) in enumerate(itertools.islice(batches(), args.epochs * per_epoch), 1):
+        began = time.perf_counter()
+        worker.pull()                             # the parameters asked for by the last push
+        model.zero_grad()
+        with pycoll.slowdown():                   # heterogeneity emulation (--slowdown)
+            loss_fn(model(x), y).backward()
+            time.sleep(args.compute_ms * 1e-3 * len(y))
+        worker.push(len(y))                       # gradients out, new parameters on their way
+        iterations.append((time.perf_counter() - began, len(y)))
+        if rank == 0 and step % args.eval_every == 0:
+            worker.pull()
+            curve.append((time.perf_counter() - start, accuracy(model, data)))
+        if rank == 0 and step % per_epoch == 0 and curve:
+            print(f"epoch {step // per_epoch:3d}  test accuracy {100 * curve[-1][1]:.2f}%  "
                   f"({time.perf_counter() - start:.2f} s)", flush=True)
     worker.pull()
     if worker.pacer is not None:                 # R²SP

@@ -12,7 +12,7 @@ an interrupted run picks up where it stopped (``--fresh`` starts over). The repo
 repetitions, and per paper its headline number beside the measured one with a verdict.
 
 ``--quick`` (``make reproduce QUICK=1``) is a few minutes; ``--tiny`` is the test suite's
-smoke run. Experiments are added as their schemes land (R2SP and SaPS to come).
+smoke run. Experiments are added as their schemes land (SaPS to come).
 """
 import argparse
 import json
@@ -39,15 +39,18 @@ class Size:
     ps_workers: List[int]
     ripples_seconds: float
     ripples_ranks: int
+    r2sp_epochs: int
+    r2sp_workers: int
+    r2sp_slowed: bool                  # also the point with a worker slowed 2x
     ipart: dict          # bench/overlap.py's settings: workers, steps, small, width, modes, links
 
 
 _IPART = dict(workers=4, steps=12, small=24, width=4096, modes=("allreduce", "ps"),
               links=("50us,125MB/s",))
-SIZES = {"tiny": Size(1, 1, [2], 1.5, 4, dict(_IPART, workers=2, steps=6, small=6, width=1024,
-                                               modes=("allreduce",))),
-         "quick": Size(1, 4, [2, 4], 5.0, 6, _IPART),
-         "full": Size(3, 10, [2, 4, 6], 10.0, 8,
+SIZES = {"tiny": Size(1, 1, [2], 1.5, 4, 1, 2, False,
+                      dict(_IPART, workers=2, steps=6, small=6, width=1024, modes=("allreduce",))),
+         "quick": Size(1, 4, [2, 4], 5.0, 6, 6, 4, True, _IPART),
+         "full": Size(3, 10, [2, 4, 6], 10.0, 8, 10, 4, True,
                       dict(_IPART, steps=16, links=("50us,1.25GB/s", "50us,125MB/s")))}
 
 
@@ -110,6 +113,69 @@ def _fluentps_summary(runs):
     table = (["point", f"time to {TARGET:.0%} (s)", "final accuracy (%)", "delayed pulls",
               "MB moved"], rows)
     return table, measured, verdict
+
+
+# ---------------------------------------------------------------- R²SP
+
+R2SP_LINK = "100us,50MB/s"       # the server's link: a push takes a sizeable share
+R2SP_COMPUTE_MS = 0.3            # emulated compute per sample (ms): 19 ms a batch of 64
+R2SP_SCENARIOS = {"bsp": ("bsp", None), "r2sp": ("r2sp", None),
+                  "r2sp, worker 1 slowed 2x": ("r2sp", "1:2")}
+
+
+def _r2sp_point(policy: str, slow, size: Size) -> Callable[[int], dict]:
+    def run(seed: int) -> dict:
+        flags = ["--servers", "1", "--link", R2SP_LINK] + (["--slowdown", slow] if slow else [])
+        out = run_job(size.r2sp_workers + 1, "ps_digits.py",
+                      ["--policy", policy, "--epochs", size.r2sp_epochs, "--seed", seed,
+                       "--hidden", 1024, "--batch-size", 64, "--momentum", 0.5,
+                       "--compute-ms", R2SP_COMPUTE_MS], flags=flags)
+        server = out["servers"][0]
+        r2sp = server.get("r2sp")
+        iteration = [w["work_s"] for w in r2sp["workers"]] if r2sp else out["iteration_s"]
+        return {"curve": out["curve"], "final": out["final"], "seconds": out["seconds"],
+                "in_flight": server["pushes_in_flight_mean"],
+                "iteration_spread": max(iteration) / min(iteration),
+                "batches": [round(w["mean_batch"]) for w in r2sp["workers"]] if r2sp else None}
+    return run
+
+
+def _r2sp_points(size: Size):
+    return {name: _r2sp_point(policy, slow, size)
+            for name, (policy, slow) in R2SP_SCENARIOS.items() if size.r2sp_slowed or not slow}
+
+
+def _r2sp_summary(runs):
+    rows = [[point, _spread([time_to(r["curve"]) for r in reps]),
+             _spread([r["final"] * 100 for r in reps], "{:.1f}"),
+             _spread([r["in_flight"] for r in reps]),
+             _spread([r["iteration_spread"] for r in reps]),
+             " ".join(map(str, reps[0]["batches"])) if reps[0]["batches"] else "-"]
+            for point, reps in runs.items()]
+    bsp = _median([time_to(r["curve"]) for r in runs.get("bsp", [])])
+    r2sp = _median([time_to(r["curve"]) for r in runs.get("r2sp", [])])
+    flight = {p: _median([r["in_flight"] for r in runs.get(p, [])]) for p in ("bsp", "r2sp")}
+    slowed = _median([r["iteration_spread"] for r in runs.get("r2sp, worker 1 slowed 2x", [])])
+    speedup = bsp / r2sp if bsp and r2sp else None
+    measured = (f"link {R2SP_LINK}, to {TARGET:.0%}: R²SP {r2sp:.2f} s vs BSP {bsp:.2f} s "
+                f"({speedup:.2f}x)"
+                if speedup else f"link {R2SP_LINK}, to {TARGET:.0%}: R²SP {r2sp} s vs BSP {bsp} s")
+    measured += (f"; pushes in flight at the server R²SP {flight['r2sp']:.2f} vs BSP "
+                 f"{flight['bsp']:.2f}" if flight["r2sp"] and flight["bsp"] else "")
+    measured += f"; worker 1 slowed 2x: iteration max/min {slowed:.2f}" if slowed else ""
+    verdict = ("reproduced: R²SP reaches the target at least 1.25x sooner than BSP"
+               if speedup and speedup >= 1.25 else
+               "direction reproduced: R²SP reaches the target sooner than BSP, by less than "
+               "the paper's 25%" if speedup and speedup > 1 else
+               "not reproduced: R²SP did not reach the target sooner than BSP here")
+    table = (["point", f"time to {TARGET:.0%} (s)", "final accuracy (%)",
+              "pushes in flight (mean)", "iteration max/min", "R²SP mean batch per worker"], rows)
+    return table, measured, verdict
+
+
+def _r2sp_curves(runs):
+    return {f"1 server, link {R2SP_LINK}, {R2SP_COMPUTE_MS} ms a sample":
+            {point: reps[0]["curve"] for point, reps in runs.items()}}
 
 
 # ---------------------------------------------------------------- Ripples
@@ -259,6 +325,11 @@ EXPERIMENTS = {e.name: e for e in (
                "to 131x more pull requests",
                _fluentps_points, _fluentps_summary,
                lambda runs, path: _plot_curves(runs, path, _fluentps_curves)),
+    Experiment("r2sp", "R²SP (Chen, Wang, Li; INFOCOM 2019)",
+               "up to 25% faster training of image classifiers than BSP (and ASP, SSP) by "
+               "pushing in an evenly gapped round robin; batch sizes follow worker speed",
+               _r2sp_points, _r2sp_summary,
+               lambda runs, path: _plot_curves(runs, path, _r2sp_curves)),
     Experiment("ripples", "Ripples / Prague (Luo et al.; 2019, ASPLOS 2020)",
                "equal workers 1.1x faster than All-Reduce and 4.3x than AD-PSGD; with a "
                "straggler 2x faster than All-Reduce",

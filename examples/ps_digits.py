@@ -2,16 +2,27 @@
 
     pycollrun -np 6 --servers 2 python examples/ps_digits.py --policy fluentps:3
     pycollrun -np 6 --servers 2 --slowdown 3:3 python examples/ps_digits.py --policy ssp:3
+    pycollrun -np 5 --servers 1 --link 100us,100MB/s --slowdown 3:2 \\
+        python examples/ps_digits.py --policy r2sp --compute-ms 0.3
 
 The last ``--servers`` ranks hold the parameters and run SGD with momentum on the
 gradients workers push; each worker trains on its own share of the training set,
 pulling the parameters before each forward pass and pushing gradients after backward
 (``pycoll.ps.TorchWorker``). Worker 0 logs test accuracy against wall-clock time.
+Under R²SP workers push in turn and each batch is as large as the worker's speed
+allows (``pycoll.ps.AdaptiveBatchSampler``). Every worker runs the same number of
+iterations, ``--epochs`` passes over its share at the first batch size (with batch sizes
+that follow speed, iterations take the same time, so the workers finish together). ``--compute-ms`` adds that much emulated
+accelerator time per sample (a sleep, which ``--slowdown`` stretches too).
 """
 import argparse
+import itertools
 import json
+import math
+import statistics
 import time
 
+import numpy as np
 import torch
 
 import pycoll
@@ -21,13 +32,15 @@ from digits import accuracy, load, mlp
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S or fluentps:S")
+    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S, fluentps:S or r2sp")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=16, help="per worker")
+    parser.add_argument("--batch-size", type=int, default=16, help="per worker (at first)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--eval-every", type=int, default=5, help="iterations (worker 0)")
     parser.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="emulated compute per sample (ms), slept inside pycoll.slowdown()")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="worker 0 writes the accuracy curve and counters here")
     args = parser.parse_args()
@@ -36,43 +49,59 @@ def main():
     rank, size = pycoll.rank(), pycoll.size()
     torch.set_num_threads(1)                      # ranks share the cores
     data = load()
-    x_train, y_train = data.x_train[rank::size], data.y_train[rank::size]
+    train = torch.utils.data.TensorDataset(data.x_train[rank::size], data.y_train[rank::size])
     model = mlp(args.seed, args.hidden)
-    worker = ps.TorchWorker(model)                # worker 0's initial values seed the servers
+    worker = ps.TorchWorker(model, batch_size=args.batch_size)   # worker 0 seeds the servers
     loss_fn = torch.nn.CrossEntropyLoss()
+    def batches():                                # reshuffled passes over this worker's share
+        for epoch in itertools.count(1):
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(epoch))
+            yield from torch.utils.data.DataLoader(   # sizes follow worker.batch_size
+                train, batch_sampler=ps.AdaptiveBatchSampler(order.tolist(), worker))
+
+    per_epoch = math.ceil(len(train) / args.batch_size)
     pycoll.barrier()
-    start, curve, step = time.perf_counter(), [], 0
-    for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
-        for first in range(0, len(order), args.batch_size):
-            batch = order[first:first + args.batch_size]
-            worker.pull()                         # the parameters asked for by the last push
-            model.zero_grad()
-            with pycoll.slowdown():               # heterogeneity emulation (--slowdown)
-                loss_fn(model(x_train[batch]), y_train[batch]).backward()
-            worker.push()                         # gradients out, new parameters on their way
-            step += 1
-            if rank == 0 and step % args.eval_every == 0:
-                worker.pull()
-                curve.append((time.perf_counter() - start, accuracy(model, data)))
-        if rank == 0:
-            print(f"epoch {epoch:3d}  test accuracy {100 * curve[-1][1]:.2f}%  "
+    start, curve, iterations = time.perf_counter(), [], []
+    for step, (x, y) in enumerate(itertools.islice(batches(), args.epochs * per_epoch), 1):
+        began = time.perf_counter()
+        worker.pull()                             # the parameters asked for by the last push
+        model.zero_grad()
+        with pycoll.slowdown():                   # heterogeneity emulation (--slowdown)
+            loss_fn(model(x), y).backward()
+            time.sleep(args.compute_ms * 1e-3 * len(y))
+        worker.push(len(y))                       # gradients out, new parameters on their way
+        iterations.append((time.perf_counter() - began, len(y)))
+        if rank == 0 and step % args.eval_every == 0:
+            worker.pull()
+            curve.append((time.perf_counter() - start, accuracy(model, data)))
+        if rank == 0 and step % per_epoch == 0 and curve:
+            print(f"epoch {step // per_epoch:3d}  test accuracy {100 * curve[-1][1]:.2f}%  "
                   f"({time.perf_counter() - start:.2f} s)", flush=True)
     worker.pull()
+    if worker.pacer is not None:                 # R²SP
+        ps.turn(0)                                # done: the others stop keeping our turn
     pycoll.barrier()                              # every worker's last push is in
     worker.fetch()
     final, elapsed = accuracy(model, data), time.perf_counter() - start
     stats = ps.counters()
+    late = iterations[len(iterations) // 2:]      # after adapting: per worker
+    mine = np.array([statistics.median(t for t, _ in late), statistics.mean(n for _, n in late)])
+    everyone = pycoll.allgather(mine.reshape(1, 2)).tolist()
     if rank == 0:
         curve.append((elapsed, final))
         servers = stats["servers"]
         print(f"final test accuracy {100 * final:.2f}% ({args.policy}, {size} workers, "
               f"{len(servers)} servers, {elapsed:.2f} s); delayed pulls "
-              f"{sum(s['delayed_pulls'] for s in servers)}", flush=True)
+              f"{sum(s['delayed_pulls'] for s in servers)}; pushes in flight mean "
+              f"{statistics.mean(s['pushes_in_flight_mean'] for s in servers):.2f}", flush=True)
+        print("per worker, second half: iteration " + ", ".join(
+            f"{1e3 * t:.1f} ms (batch {n:.0f})" for t, n in everyone), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(policy=args.policy, workers=size, curve=curve, final=final,
-                               seconds=elapsed, servers=servers), f)
+                               seconds=elapsed, servers=servers,
+                               iteration_s=[t for t, _ in everyone],
+                               batch=[n for _, n in everyone]), f)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP and FluentPS.
+"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP, FluentPS and R²SP.
 
     import pycoll, pycoll.ps as ps
     ps.init(servers=2, policy="fluentps:3", optimizer=ps.SGD(lr=0.1, momentum=0.9))
@@ -40,7 +40,9 @@ Design
   again. FluentPS(s): the same bound, but a pull that must wait is buffered and
   answered the moment it may be (no polling); a worker L clocks ahead of the slowest is
   paused with probability (L/(s+1))^8, always past the bound, and released with room
-  (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
+  (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin spaced by
+  the measured period, released by a coordinator on server 0 (``turn``), with batch
+  sizes split by speed and pushes weighted by samples. SaPS plugs in as a policy.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
   pulls, delay, bytes, clocks, ``waited_for``: worker -> seconds pulls waited for it);
   ``init(stats=path)`` writes all of them as JSON at exit; with ``--report`` every
@@ -72,10 +74,11 @@ from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
 from .policy import ASP, BSP, FluentPS, Policy, SSP, make as make_policy
+from .r2sp import R2SP, AdaptiveBatchSampler
 
-__all__ = ["init", "shutdown", "init_params", "push", "pull", "push_pull",
+__all__ = ["init", "shutdown", "init_params", "push", "pull", "push_pull", "turn",
            "checkpoint", "counters", "clock", "Policy", "BSP", "ASP", "SSP", "FluentPS",
-           "SGD", "TorchWorker"]
+           "R2SP", "AdaptiveBatchSampler", "SGD", "TorchWorker"]
 
 
 class _State:
@@ -83,6 +86,7 @@ class _State:
     comm = None              # all ranks (our duplicate)
     workers_comm = None      # workers only (our duplicate)
     stats_path: Optional[str] = None
+    policy: Optional[Policy] = None
     checkpoint_every = 0.0   # worker 0 asks for a checkpoint this often (seconds)
     last_checkpoint = 0.0
     background: list = []    # worker 0's periodic checkpoint requests still running
@@ -101,7 +105,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     with ``exit_servers=False`` it returns the server's counters instead, so the program
     goes on there too (a benchmark that alternates the PS with raw MPI; the workers call
     ``shutdown()`` and ``init()`` again). Returns None on workers.
-    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S" or a Policy. ``optimizer``: an
+    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "r2sp[:knob=value,...]" or a Policy. ``optimizer``: an
     ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
     ``checkpoint_dir``: where servers save generations and resume from; with
     ``checkpoint_every`` > 0 worker 0 asks for one every that many seconds (at a push).
@@ -152,6 +156,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
         return stats
     _state.comm, _state.workers_comm = own, mine
     _state.stats_path = stats
+    _state.policy = policy
     _state.checkpoint_every = float(checkpoint_every) if checkpoint_dir else 0.0
     _state.last_checkpoint, _state.background = time.monotonic(), []
     _state.client = Client(own, range(workers, comm.size), own.rank, timeout, tag_ub)
@@ -230,15 +235,23 @@ def _tick(client) -> None:
         _state.background.append(_request_checkpoint(client))
 
 
-def push(keys, values):
+def _weight(weight) -> float:
+    if not 0 < float(weight) < float("inf"):
+        raise ValueError(f"pycoll.ps: a push's weight must be positive and finite, got {weight!r}")
+    return float(weight)
+
+
+def push(keys, values, weight: float = 1.0):
     """Send gradients (or steps) for ``keys``; Work completes when every server holding
     them has acknowledged the push (or fails with a server's error). ``keys`` is a name
-    or a list of names, ``values`` a tensor or a list."""
+    or a list of names, ``values`` a tensor or a list. Servers multiply the values by
+    ``weight`` (R²SP's sample weight, from ``turn``)."""
     client = _client()
     _tick(client)
     names, values = _names(keys), _values(keys, values)
     found = client.lookup(names)
-    parts, _ = client.parts(wire.PUSH, found, sources=client.buffers(found, values, False))
+    parts, _ = client.parts(wire.PUSH, found, sources=client.buffers(found, values, False),
+                            weight=_weight(weight))
     client.counters["pushes"] += 1
     return client.submit(f"pycoll.ps push of {_short(names)}", parts, keep=values)
 
@@ -251,12 +264,13 @@ def _outs(keys, outs, found):
     return _values(keys, outs)
 
 
-def _pulling(op, keys, names, values=None, outs=None):
+def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0):
     client = _client()
     found = client.lookup(names)
     sources = None if values is None else client.buffers(found, values, writable=False)
     outs = _outs(keys, outs, found)
-    parts, unpack = client.parts(op, found, sources, client.buffers(found, outs, writable=True))
+    parts, unpack = client.parts(op, found, sources, client.buffers(found, outs, writable=True),
+                                 _weight(weight))
     client.counters["pulls"] += 1
     client.counters["pushes"] += values is not None
 
@@ -273,11 +287,53 @@ def pull(keys, outs=None):
     return _pulling(wire.PULL, keys, _names(keys), outs=outs)
 
 
-def push_pull(keys, values, outs=None):
-    """``push`` then ``pull`` of the same keys, one request per server: each server
-    applies the push first, and its answer (the parameters) acknowledges it."""
+def push_pull(keys, values, outs=None, weight: float = 1.0):
+    """``push`` (with ``weight``) then ``pull`` of the same keys, one request per server:
+    each server applies the push first, and its answer (the parameters) acknowledges it."""
     _tick(_client())
-    return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs)
+    return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs, weight)
+
+
+def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
+    """R²SP: wait for this worker's turn to push (see ``r2sp``). ``samples``: in the
+    gradient to be pushed; ``busy_s``: how long this worker's last iteration took, less
+    its wait for the turn (periods and batch sizes follow it; 0 if unknown). Returns
+    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s"}``;
+    with ``wait=False`` at once, an object whose ``wait()`` returns it (ask as the
+    computing starts, wait before pushing: the gate's messages overlap the compute).
+    ``turn(0)`` leaves the ring (done training; asking again rejoins it) and answers a
+    turn still asked for with ``{}``."""
+    client = _client()
+    if not _state.policy.turns:
+        raise RuntimeError(f"pycoll.ps.turn() is for policies whose workers take turns "
+                           f"(r2sp); this job runs {_state.policy}")
+    if int(samples) != samples or samples < 0:
+        raise ValueError(f"pycoll.ps.turn: samples must be an integer >= 0, got {samples!r}")
+    parts = client.control(wire.TURN, arg=int(samples), servers=[0], value=float(busy_s))
+
+    def answer():
+        got = json.loads(bytes(parts[0].data).decode())
+        if got:                                  # not void (the worker left the ring)
+            client.counters["turns"] = client.counters.get("turns", 0) + 1
+            client.counters["batch_size"] = got["batch"]
+        return got
+    pending = _Turn(client, client.submit("pycoll.ps turn", parts, answer))
+    return pending.wait() if wait else pending
+
+
+class _Turn:
+    """A turn asked for; ``wait()`` returns the coordinator's answer (counting the wait)."""
+
+    def __init__(self, client, work):
+        self.client, self.work = client, work
+
+    def wait(self) -> dict:
+        started = time.monotonic()
+        try:
+            return self.work.wait()
+        finally:
+            counters = self.client.counters
+            counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + time.monotonic() - started
 
 
 def _request_checkpoint(client):

@@ -5,7 +5,8 @@ from typing import Optional
 import torch
 
 from .. import timeline
-from . import _exchange, init_params, pull, push_pull
+from . import _exchange, _state, init_params, pull, push_pull
+from .r2sp import Pacer
 
 
 class TorchWorker:
@@ -24,11 +25,20 @@ class TorchWorker:
     and each piece of a parameter is its own key (``<name>[lo:hi]`` when split). Exposed
     communication: ``schedule.counters()`` per step, or ``pull_wait_s`` (all the time
     "default" spent waiting in ``pull``).
+
+    Under R²SP (``policy="r2sp"``) give ``batch_size``: ``push`` first waits for this
+    worker's turn, and ``batch_size`` then says how many samples the next batch should
+    hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it). ``pull()`` asks for
+    the turn as the computing starts, ``push()`` waits for it, so the gate's messages
+    overlap the compute.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 schedule: str = "default"):
+                 schedule: str = "default", batch_size: Optional[int] = None):
         self.model, self.optimizer = model, optimizer
+        self._batch_size = batch_size
+        self.pacer = Pacer(batch_size) if _state.policy is not None and _state.policy.turns \
+            else None
         self.named = [(name, p) for name, p in model.named_parameters()]
         if not self.named:
             raise ValueError("pycoll.ps.TorchWorker: the model has no parameters")
@@ -36,12 +46,26 @@ class TorchWorker:
         self.params = [p.detach() for _, p in self.named]
         self.schedule, self._pending, self.pull_wait_s = None, None, 0.0
         if schedule != "default":
+            if self.pacer is not None:
+                raise ValueError(f"pycoll.ps.TorchWorker(schedule={schedule!r}) pushes "
+                                 "partitions during backward, which R²SP's turns cannot pace: "
+                                 "use schedule='default' with policy 'r2sp'")
             self.schedule = _overlap(self, schedule)
             return
         init_params(list(zip(self.names, self.params)))
 
+    @property
+    def batch_size(self) -> Optional[int]:
+        """The size the next batch should have (R²SP adapts it; else as given)."""
+        return self.pacer.batch_size if self.pacer is not None else self._batch_size
+
     def pull(self) -> None:
         """Wait until the parameters asked for by the last ``push`` are in the model."""
+        self._wait()
+        if self.pacer is not None:
+            self.pacer.start()                    # computing starts: ask for the turn
+
+    def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             start = time.perf_counter()
@@ -55,16 +79,18 @@ class TorchWorker:
             keys, tensors = zip(*self.schedule.transport.declared())
             pull(list(keys), list(tensors)).wait()
             return
-        self.pull()
+        self._wait()
         pull(self.names, self.params).wait()
 
-    def push(self) -> None:
-        """Send this step's gradients (or local step) and start fetching the new parameters."""
+    def push(self, samples: Optional[int] = None) -> None:
+        """Send this step's gradients (or local step) and start fetching the new parameters.
+        Under R²SP it waits for this worker's turn first; ``samples``: in this step's batch
+        (default ``batch_size``), which weighs the push."""
         if self.schedule is not None:
             self.schedule.step()
             timeline.step()
             return
-        self.pull()
+        self._wait()
         if self.optimizer is None:
             values = [p.grad.detach().contiguous() if p.grad is not None else torch.zeros_like(p)
                       for _, p in self.named]
@@ -72,7 +98,8 @@ class TorchWorker:
             before = [p.clone() for p in self.params]
             self.optimizer.step()
             values = [after - old for after, old in zip(self.params, before)]
-        self._pending = push_pull(self.names, values, outs=self.params)
+        weight = 1.0 if self.pacer is None else self.pacer.turn(samples)
+        self._pending = push_pull(self.names, values, outs=self.params, weight=weight)
         timeline.step()
 
 

@@ -10,8 +10,9 @@ server refuses it and the worker sends it again after a back-off. With ``rounds`
 pushes of one clock are summed and applied together when every worker has sent its
 push for that clock (BSP); otherwise every push is applied on arrival.
 
-New schemes plug in here: R²SP as a policy whose workers push in turn (``wait_for``
-gates pulls by turn), SaPS as one whose ``wait_for`` bounds the straggler's version gap.
+A policy whose workers take ``turns`` (R²SP, ``r2sp.py``) gives server 0 a
+``coordinator``: the server hands it the workers' turn requests (``wire.TURN``) and
+answers each when the coordinator releases it.
 """
 import math
 import random
@@ -46,6 +47,11 @@ class Policy:
     staleness = math.inf         # a pull by a worker at clock c waits for min clock >= c - s
     buffers = True
     rounds = False
+    turns = False                # workers ask server 0 for their turn before pushing
+
+    def coordinator(self, server: int, workers: int, timeout: float):
+        """What serves turn requests on server ``server`` (None: no turns there)."""
+        return None
 
     def wait_for(self, sync: SyncState, worker: int) -> int:
         """Minimum worker clock this worker's pull must wait for (decided on arrival)."""
@@ -135,14 +141,18 @@ class FluentPS(SSP):
 
 
 def make(policy) -> Policy:
-    """A Policy from itself or its name: "bsp", "asp", "ssp", "ssp:3", "fluentps:3"."""
+    """A Policy from itself or its name: "bsp", "asp", "ssp", "ssp:3", "fluentps:3",
+    "r2sp", "r2sp:patience=2"."""
     if isinstance(policy, Policy):
         return policy
     name, _, arg = str(policy).strip().lower().partition(":")
+    if name == "r2sp":
+        from .r2sp import R2SP
+        return R2SP.parse(arg)
     kinds = {"bsp": BSP, "asp": ASP, "ssp": SSP, "fluentps": FluentPS}
     if name not in kinds or (arg and name in ("bsp", "asp")):
         raise ValueError(f"unknown PS policy {policy!r}; use 'bsp', 'asp', 'ssp:S', "
-                         "'fluentps:S' or a pycoll.ps.Policy")
+                         "'fluentps:S', 'r2sp[:knob=value,...]' or a pycoll.ps.Policy")
     if not arg:
         return kinds[name]()
     try:

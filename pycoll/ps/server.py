@@ -27,6 +27,7 @@ from . import checkpoints as ckpt
 from . import wire
 from .optim import FLOATS, SGD, Shard
 from .policy import Policy, SyncState
+from .traffic import Traffic
 
 log = logging.getLogger("pycoll.ps")
 SLEEP_MIN, SLEEP_MAX = 50e-6, 1e-3
@@ -82,6 +83,9 @@ class Server:
         self.pending: List[_Pull] = []
         self.waiting_checkpoints: list = []          # BSP: (generation, cut, call)
         self.last_request = [0] * workers
+        self.traffic = Traffic()                     # pushes in flight, gaps between them
+        self.coordinator = policy.coordinator(index, workers, timeout)   # turns (R²SP)
+        self.turns: Dict[int, _Call] = {}            # turn requests not yet released
         self.stats = dict(server=index, policy=policy.name, pushes=0, pulls=0,
                           delayed_pulls=0, delay_s=0.0, bytes_in=0, bytes_out=0,
                           updates=0, checkpoints=0, resumed=False, bad_requests=0,
@@ -106,10 +110,12 @@ class Server:
             now = time.monotonic()
             if now - self.last_housekeeping > HOUSEKEEPING_S:
                 self._housekeeping()
+            if self.turns:
+                self._release(now)
             message = self.comm.improbe(MPI.ANY_SOURCE, wire.REQUEST, status)
             if message is None:
                 self._retire()
-                wire.nap(now - self.quiet_since, SLEEP_MIN, SLEEP_MAX)
+                wire.nap(now - self.quiet_since, SLEEP_MIN, self._longest_nap(now))
                 continue
             raw = np.empty(status.Get_count(MPI.BYTE), np.uint8)
             message.Recv([raw, MPI.BYTE])
@@ -143,6 +149,7 @@ class Server:
                 self._reply_to(worker, err.slot, err.request, wire.ERROR, text.encode())
             return
         call = _Call(worker, req, since=time.monotonic())
+        self.traffic.heard(worker, req.sent, call.since)
         name = wire.OP_NAMES[req.op]
         try:
             if req.request <= self.last_request[worker]:
@@ -187,6 +194,12 @@ class Server:
                 f"{pull.call.worker} waited {now - pull.since:.0f} s for worker(s) {behind} "
                 f"(world ranks {behind}) to reach clock {pull.need}; they may have died or "
                 "hung").encode())
+        missing = self.coordinator.overdue(now) if self.turns else None
+        if missing:
+            for worker, call in self.turns.items():
+                self.coordinator.withdraw(worker)
+                self._reply(call, wire.ERROR, f"pycoll.ps server {self.index}: {missing}".encode())
+            self.turns.clear()
         for entry in [e for e in self.waiting_checkpoints if now - e[2].since > self.timeout]:
             self.waiting_checkpoints.remove(entry)
             self._reply(entry[2], wire.ERROR, (
@@ -247,7 +260,8 @@ class Server:
         self.stats["pushes"] += 1
         self.changed = True
         self.sync.clocks[worker] += 1
-        scale = 1.0 / self.workers
+        weight = call.req.value                      # 1 for a plain push (wire)
+        scale = weight / self.workers
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
         if round_sums is not None:
@@ -266,12 +280,15 @@ class Server:
                         values *= scale
                     self._apply(shard, values, start)
                 else:                      # summed now, divided by its pushes when applied
+                    if weight != 1.0:
+                        values *= weight
                     entry = round_sums[name]
                     if entry[0] is None:
                         entry[0] = np.zeros_like(shard.params)
                     entry[0][start:start + len(values)] += values
         if round_sums is None:
             self.stats["updates"] += len(shards)
+        self.traffic.pushed(worker, call.req.sent, time.monotonic())
         if answer:
             self._reply(call, wire.OK)
         self._advance()
@@ -323,8 +340,42 @@ class Server:
 
     def _on_done(self, call: _Call) -> None:
         self.sync.active[call.worker] = False       # no longer holds anyone back
+        if self.coordinator is not None:
+            self.coordinator.leave(call.worker)
         self._reply(call, wire.OK)
         self._advance()
+
+    def _on_turn(self, call: _Call) -> None:
+        """R²SP: answered when the coordinator releases the worker (``_release``); a
+        turn of 0 samples leaves the ring."""
+        if self.coordinator is None:
+            raise _ClientError(f"turn requests go to server 0 under a policy with turns "
+                               f"(r2sp); this is server {self.index} under {self.policy}")
+        self._check_payload(call, [], [])
+        missing = self.coordinator.overdue(call.since)
+        if missing:
+            raise _ClientError(missing)
+        if call.req.arg == 0:
+            self.coordinator.leave(call.worker)
+            asked = self.turns.pop(call.worker, None)
+            for answered in filter(None, (asked, call)):    # a turn asked for is void now
+                self._reply(answered, wire.OK, b"{}")
+        else:
+            try:
+                self.coordinator.ask(call.worker, call.req.arg, call.req.value, call.since)
+            except ValueError as err:
+                raise _ClientError(str(err)) from None
+            self.turns[call.worker] = call
+        self._release(time.monotonic())
+
+    def _release(self, now: float) -> None:
+        for worker, answer in self.coordinator.poll(now):
+            self._reply(self.turns.pop(worker), wire.OK, json.dumps(answer).encode())
+
+    def _longest_nap(self, now: float) -> float:
+        """A nap ends by the next turn the coordinator may release."""
+        due = self.coordinator.next_due(now) if self.turns else None
+        return SLEEP_MAX if due is None else min(SLEEP_MAX, max(0.0, due - now))
 
     # ------------------------------------------------------------ checks
     def _shards(self, call: _Call, what: str) -> List[Shard]:
@@ -538,8 +589,10 @@ class Server:
 
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:
+        extra = {} if self.coordinator is None else {self.policy.name: self.coordinator.stats()}
         return dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
-                    cpu_s=time.process_time(), generation=self.generation)
+                    cpu_s=time.process_time(), generation=self.generation,
+                    **self.traffic.stats(), **extra)
 
     def _save_for(self, call: _Call, generation: int, cut: Optional[int] = None) -> None:
         """Save for a worker's request and answer it, with the error if the save failed."""

@@ -1,8 +1,9 @@
 """The messages between workers and servers: one place for tags, headers and layouts.
 
 A request is one binary message on ``REQUEST``: a fixed header (``HEADER``: magic,
-protocol version, op, tag slot, request id, an int and a float argument, key count,
-payload message count and bytes), then one ``ENTRY`` per key range (dtype code, name
+protocol version, op, tag slot, request id, an int argument, the seconds a pull has
+waited, key count, payload message count and bytes, a float argument and the time the
+worker sent it by its own clock), then one ``ENTRY`` per key range (dtype code, name
 length, the key's element count, the range's first and end element), then the names
 in UTF-8. Nothing is pickled: a server parses it with ``parse`` and checks every field
 before it touches parameters. INIT, PUSH and PUSH_PULL are followed by their payload
@@ -14,29 +15,37 @@ on the data tag (the worker posts that receive with the request, straight into t
 pull's tensors), statistics as JSON or an error text on the text tag. A request too
 broken to name its slot is answered with a text on ``BAD``.
 
+The arguments: CHECKPOINT's int is the BSP cut; a push's float is its weight (the server
+multiplies the pushed values by it: 1 for a plain push); TURN (R²SP's gate, to server 0)
+carries the samples of the worker's last iteration (int) and the seconds it was busy
+(float), and is answered, when it is the worker's turn, with JSON: the weight of
+that push and the worker's next batch size (``r2sp``).
+
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
 each request a free one, so tags never pass the communicator's ``MPI.TAG_UB`` however
 many requests a job makes; a slot is reused only once its request is complete.
 """
 import collections
+import math
 import struct
 import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-MAGIC, VERSION = b"PCPS", 1
+MAGIC, VERSION = b"PCPS", 2
 REQUEST, BAD = 1, 2
 TAG_BASE, TAGS_PER_SLOT = 16, 4
-INIT, PUSH, PULL, PUSH_PULL, STATS, CHECKPOINT, DONE = range(1, 8)
+INIT, PUSH, PULL, PUSH_PULL, STATS, CHECKPOINT, DONE, TURN = range(1, 9)
 OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull",
-            STATS: "stats", CHECKPOINT: "checkpoint", DONE: "done"}
+            STATS: "stats", CHECKPOINT: "checkpoint", DONE: "done", TURN: "turn"}
 WITH_PAYLOAD = (INIT, PUSH, PUSH_PULL)
 OK, RETRY, ERROR = 0, 1, 2
 STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID = range(6)
 META_LEN = 6
-# magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes
-HEADER = struct.Struct("<4sHHIQqdIIQ")
+# magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes,
+# value (float), sent (the worker's time.monotonic())
+HEADER = struct.Struct("<4sHHIQqdIIQdd")
 ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo", "<i8"),
                   ("hi", "<i8")])                       # packed: 27 bytes
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
@@ -79,6 +88,8 @@ class Request(NamedTuple):
     table: bytes         # the raw entries and names: a server caches what it validated
     npieces: int
     nbytes: int
+    value: float         # a push's weight, a turn's busy seconds
+    sent: float          # the worker's clock when it sent the request
 
 
 def encode_table(entries: Sequence[Entry]) -> bytes:
@@ -92,9 +103,10 @@ def encode_table(entries: Sequence[Entry]) -> bytes:
 
 
 def encode(op: int, slot: int, request: int, table: bytes = b"", nkeys: int = 0,
-           arg: int = 0, waited: float = 0.0, npieces: int = 0, nbytes: int = 0) -> bytes:
+           arg: int = 0, waited: float = 0.0, npieces: int = 0, nbytes: int = 0,
+           value: float = 1.0, sent: float = 0.0) -> bytes:
     return HEADER.pack(MAGIC, VERSION, op, slot, request, arg, waited, nkeys, npieces,
-                       nbytes) + table
+                       nbytes, value, sent) + table
 
 
 def parse(raw, tag_ub: int) -> Request:
@@ -103,7 +115,7 @@ def parse(raw, tag_ub: int) -> Request:
     if len(raw) < HEADER.size:
         raise BadRequest(f"request of {len(raw)} bytes is shorter than the {HEADER.size}-byte "
                          "header (truncated or not a pycoll.ps request)")
-    magic, version, op, slot, request, arg, waited, nkeys, npieces, nbytes = \
+    magic, version, op, slot, request, arg, waited, nkeys, npieces, nbytes, value, sent = \
         HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise BadRequest(f"request starts with {magic!r}, not {MAGIC!r}: not a pycoll.ps request")
@@ -115,6 +127,9 @@ def parse(raw, tag_ub: int) -> Request:
                          f"({slots(tag_ub)} slots)")
     if op not in OP_NAMES:
         raise BadRequest(f"unknown op {op} (known: {OP_NAMES})", slot, request)
+    if op in (PUSH, PUSH_PULL) and not 0 < value < math.inf:
+        raise BadRequest(f"{OP_NAMES[op]} request {request} has weight {value}; a push's "
+                         "weight must be positive and finite", slot, request)
     table = raw[HEADER.size:]
     if nkeys * ENTRY.itemsize > len(table):
         raise BadRequest(f"{OP_NAMES[op]} request {request} declares {nkeys} keys but carries "
@@ -138,7 +153,8 @@ def parse(raw, tag_ub: int) -> Request:
             raise BadRequest(f"{OP_NAMES[op]} request {request}: key {name!r} has dtype code "
                              f"{code}, range [{lo}:{hi}] of {count}: invalid", slot, request)
         entries.append(Entry(name, DTYPES[code], count, lo, hi))
-    return Request(op, slot, request, arg, waited, tuple(entries), table, npieces, nbytes)
+    return Request(op, slot, request, arg, waited, tuple(entries), table, npieces, nbytes,
+                   value, sent)
 
 
 # ---------------------------------------------------------------- tags

@@ -57,8 +57,9 @@ class _Part:
     """One request to one server."""
 
     def __init__(self, server: int, op: int, table: bytes = b"", nkeys: int = 0, arg: int = 0,
-                 payload=None, pieces=(), into=None):
+                 payload=None, pieces=(), into=None, value: float = 1.0):
         self.server, self.op, self.table, self.nkeys, self.arg = server, op, table, nkeys, arg
+        self.value = value              # the header's float: a push's weight (wire)
         self.payload = payload          # uint8 array sent after the header, or None
         self.pieces = pieces            # (first, end) bytes of each payload message
         self.nbytes = 0 if payload is None else payload.nbytes
@@ -153,9 +154,9 @@ class Client:
                 [wire.Entry(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items])
         return table
 
-    def parts(self, op: int, keys: List[Key], sources=None, outs=None):
-        """Parts that send ``sources`` (push, init) and/or receive into ``outs`` (pull),
-        and the unpacking to run once they are done."""
+    def parts(self, op: int, keys: List[Key], sources=None, outs=None, weight: float = 1.0):
+        """Parts that send ``sources`` (push, init, with ``weight``) and/or receive into
+        ``outs`` (pull), and the unpacking to run once they are done."""
         parts, unpacks = [], []
         send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
         recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
@@ -178,17 +179,17 @@ class Client:
                     into = np.empty(sum(n for _, n in spans), np.uint8)
                     unpacks.append((into, spans))
             parts.append(_Part(server, op, self._table(server, items), len(items),
-                               payload=payload, pieces=pieces or (), into=into))
+                               payload=payload, pieces=pieces or (), into=into, value=weight))
 
         def unpack():
             for staging, spans in unpacks:
                 _C.unpack(staging.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
         return parts, unpack
 
-    def control(self, op: int, arg: int = 0, servers=None) -> List[_Part]:
-        """A keyless request (stats, checkpoint, done) to each server."""
+    def control(self, op: int, arg: int = 0, servers=None, value: float = 1.0) -> List[_Part]:
+        """A keyless request (stats, checkpoint, done, turn) to each server."""
         servers = range(len(self.server_ranks)) if servers is None else servers
-        return [_Part(s, op, arg=arg(s) if callable(arg) else arg) for s in servers]
+        return [_Part(s, op, arg=arg(s) if callable(arg) else arg, value=value) for s in servers]
 
     def submit(self, name: str, parts: List[_Part], finish=None, keep=None) -> PSWork:
         self.raise_if_failed()
@@ -291,7 +292,8 @@ class Client:
         now = time.monotonic()
         part.first_sent = part.first_sent or now
         header = wire.encode(part.op, part.slot, part.request_id, part.table, part.nkeys,
-                             part.arg, now - part.first_sent, len(part.pieces), part.nbytes)
+                             part.arg, now - part.first_sent, len(part.pieces), part.nbytes,
+                             part.value, now)
         part.requests = [self.comm.Isend([header, MPI.BYTE], dest, wire.REQUEST)]
         part.header = header            # kept alive until the send completes
         if part.payload is not None:

@@ -1,0 +1,409 @@
+"""R²SP, round-robin synchronous parallel (Chen, Wang, Li; INFOCOM 2019), on pycoll.ps.
+
+Under BSP every worker pushes at the same moment: the server's link is congested, then
+idle. Under R²SP workers push in turn, evenly spaced, so about one talks to the servers
+at a time:
+
+- The gate. Before each push a worker asks server 0's ``Coordinator`` for its turn
+  (``wire.TURN``, ``pycoll.ps.turn``; ``TorchWorker`` does it). The coordinator
+  releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), each at least
+  ``gap`` after the previous release: ``gap = P / (safety * N)``, P the iteration period
+  (the median of the workers' last ``window * N`` iteration times, computing and
+  communicating, as each reports them with its request), so the gate spaces pushes
+  without stretching the period (``safety`` 1.2, the authors' "about 1.2N"). P leaves
+  out the wait for a turn on purpose: measured with it, the gate's own delay at each
+  release fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which
+  stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for
+  its turn when its computing starts and waits for the answer before pushing, so the
+  gate's messages (which queue behind the server's big transfers) overlap the compute.
+  Until every worker has asked once the gate is closed (a start line); for the first
+  ``warmup`` rounds there is no P yet and turns go in order without spacing.
+- Bounded waits. A worker never waits for its turn longer than ``patience`` periods
+  (default one): past that it is released out of turn, and the workers before it in the
+  order that have not come lose this round's turn (counted as ``skipped``); one that
+  lost two turns in a row is passed over without waiting until it asks again. A worker
+  done training leaves the ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too).
+  A worker that does not come back for its turn within PYCOLL_TIMEOUT of its release
+  (dead, hung) ends the job: every turn request is answered with an error naming it.
+- Staleness. Servers apply every push on arrival (as ASP; pulls never wait), and each
+  worker pushes once per round, right after its push's answer brings it the parameters
+  it computes its next gradient on. So between a worker's two pushes each other worker
+  pushes at most once: a gradient is at most N-1 updates stale, as long as pushes reach
+  the servers in the order of their turns (the gap sees to it once the warm-up is over,
+  unless a push takes longer than a gap) and its worker did not lose a turn (then it
+  misses the rounds it lost too).
+- Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
+  iteration and how long it was busy (``busy_s``: computing and communicating, without
+  the wait for its turn); the coordinator keeps each worker's speed (samples per busy
+  second, smoothed) and, at the start of every round after the warm-up, splits the
+  global batch B (the sum of the workers' first batches) in proportion to speed, each
+  worker within ``batch`` times its first batch; the split sums to B every round. At
+  its fixed point every worker is busy for the same time per iteration, so the spacing
+  stays even. A push weighs ``samples * N / B`` (the server multiplies it by that and
+  by 1/N, as every ASP push), so a round of pushes moves the model by the
+  sample-weighted mean gradient: that of one batch of B samples.
+
+Our reading of the paper and of the authors' TensorFlow prototype (read, not copied):
+the gate at the first server, the gap of period / 1.2N and updates on arrival are
+theirs; the start line, the patience and the error for a missing worker are ours (their
+prototype waits for ever), and so are the batch split by measured speed (the paper
+tunes batch sizes to speed; the prototype's hook grows a batch by its blocked time) and
+the sample weights.
+"""
+import collections
+import math
+import statistics
+import time
+from typing import Dict, List, Optional
+
+from .. import timeline
+from .policy import Policy
+
+SPEED_SMOOTHING = 0.3        # weight of the newest report in a worker's speed
+
+
+class R2SP(Policy):
+    """``pycoll.ps.init(policy=R2SP(...))`` or ``"r2sp"``, ``"r2sp:patience=2,adapt=0"``.
+
+    ``safety``: gap = period / (safety * N), > 1 so that the gate never stretches the
+    period. ``patience``: the most a worker waits for its turn, in periods. ``warmup``:
+    rounds before the gap and batch adaptation start. ``adapt``: split the global batch
+    by speed. ``batch``: (low, high), a worker's batch stays within these multiples of its
+    first one. ``window``: periods are measured over the last ``window * N`` requests."""
+    name = "r2sp"
+    turns = True
+
+    def __init__(self, safety: float = 1.2, patience: float = 1.0, warmup: int = 2,
+                 adapt: bool = True, batch=(0.25, 4.0), window: int = 2):
+        low, high = batch
+        problems = [text for bad, text in (
+            (not 1.0 <= safety < math.inf, f"safety must be >= 1, got {safety!r}"),
+            (not 0 < patience < math.inf, f"patience must be > 0 periods, got {patience!r}"),
+            (int(warmup) != warmup or warmup < 1,
+             f"warmup must be an integer >= 1, got {warmup!r}"),
+            (int(window) != window or window < 1,
+             f"window must be an integer >= 1, got {window!r}"),
+            (not 0 < low <= 1 <= high < math.inf,
+             f"batch bounds must satisfy 0 < low <= 1 <= high, got {batch!r}"))
+            if bad]
+        if problems:
+            raise ValueError("pycoll.ps.R2SP: " + "; ".join(problems))
+        self.safety, self.patience, self.adapt = float(safety), float(patience), bool(adapt)
+        self.warmup, self.window, self.batch = int(warmup), int(window), (float(low), float(high))
+
+    @classmethod
+    def parse(cls, text: str) -> "R2SP":
+        """``"safety=1.5,patience=2,warmup=3,adapt=0,batch=0.5-2,window=3"`` (any subset)."""
+        kwargs: Dict[str, object] = {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                if key == "batch":
+                    low, _, high = value.partition("-")
+                    kwargs[key] = (float(low), float(high))
+                elif key == "adapt":
+                    kwargs[key] = {"1": True, "0": False, "true": True, "false": False}[value]
+                elif key in ("safety", "patience"):
+                    kwargs[key] = float(value)
+                elif key in ("warmup", "window"):
+                    kwargs[key] = int(value)
+                else:
+                    raise KeyError(key)
+            except (KeyError, ValueError):
+                raise ValueError(f"policy 'r2sp:{text}': cannot read {item!r}; knobs are "
+                                 "safety=F, patience=F, warmup=N, adapt=0|1, batch=LOW-HIGH, "
+                                 "window=N, e.g. r2sp:patience=2,batch=0.5-2") from None
+        return cls(**kwargs)
+
+    def coordinator(self, server: int, workers: int, timeout: float):
+        return Coordinator(self, workers, timeout) if server == 0 else None
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def split(total: int, speeds: List[float], low: List[int], high: List[int]) -> List[int]:
+    """``total`` samples split in proportion to ``speeds``, each share within
+    ``[low[i], high[i]]``, as integers summing to ``total`` (if the bounds allow it)."""
+    def shares(scale):
+        return [min(max(scale * s, lo), hi) for s, lo, hi in zip(speeds, low, high)]
+    below, above = 0.0, max(hi / s for s, hi in zip(speeds, high))
+    for _ in range(100):                          # the scale whose clamped shares sum to total
+        middle = (below + above) / 2
+        below, above = (middle, above) if sum(shares(middle)) < total else (below, middle)
+    exact = shares(above)
+    out = [max(lo, min(hi, math.floor(x))) for x, lo, hi in zip(exact, low, high)]
+    order = sorted(range(len(out)), key=lambda i: out[i] - exact[i])   # largest remainder
+    for i in order * 2:
+        short = total - sum(out)
+        if short > 0 and out[i] < high[i]:
+            out[i] += 1
+        elif short < 0 and out[i] > low[i]:
+            out[i] -= 1
+    return out
+
+
+class Coordinator:
+    """Server 0's side of R²SP: when each worker may push, and its next batch size.
+    Times are passed in (``now``), so tests drive it with their own clock."""
+    RECENT = 20          # per worker: the recent work and iteration times kept
+
+    def __init__(self, policy: R2SP, workers: int, timeout: float):
+        self.policy, self.n, self.timeout = policy, workers, timeout
+        self.active = [True] * workers
+        self.turn = 0                            # whose turn it is
+        self.last_release = -math.inf
+        self.waiting: Dict[int, float] = {}      # worker -> when it asked
+        self.asked: List[Optional[float]] = [None] * workers
+        self.released: List[Optional[float]] = [None] * workers
+        self.first_ask: Optional[float] = None
+        self.periods = collections.deque(maxlen=policy.window * workers)
+        self.samples = [0] * workers             # in the gradient each is about to push
+        self.base = [0] * workers                # each worker's first batch
+        self.batch = [0] * workers               # the batch each was last told to use
+        self.speed = [0.0] * workers             # samples / s, smoothed
+        self.reports = [0] * workers
+        self.plan: Optional[List[int]] = None
+        self.rounds = self.out_of_turn = 0
+        self.turns = [0] * workers
+        self.batches = [0] * workers             # the batch sizes handed out, summed
+        self.wait_s = [0.0] * workers
+        self.longest_wait = [0.0] * workers
+        self.skipped = [0] * workers
+        self.missed = [0] * workers              # turns lost in a row
+        self.previous = -1                       # the worker released last
+        self.work = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
+        self.iteration = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
+        self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn
+
+    # ------------------------------------------------------------ requests
+    def ask(self, worker: int, samples: int, busy_s: float, now: float) -> None:
+        """``worker`` wants to push; its last iteration took ``samples`` and was busy
+        (computing and communicating, not waiting for a turn) ``busy_s`` (0: unknown).
+        The push weighs ``samples``' share (``Pacer`` scales it to the samples it sends)."""
+        if samples < 1:
+            raise ValueError(f"worker {worker}'s turn request says its gradient holds {samples} "
+                             "samples; pass the batch's size (>= 1) to pycoll.ps.turn")
+        if worker in self.waiting:
+            raise ValueError(f"worker {worker} asked for a turn while waiting for one")
+        if self.asked[worker] is not None:
+            self.iteration[worker].append(now - self.asked[worker])
+        if self.released[worker] is None:
+            self.base[worker] = self.batch[worker] = samples
+        if self.reports[worker] and busy_s > 0:      # the first is warm-up, not speed
+            self.work[worker].append(busy_s)
+            self.periods.append(busy_s)
+            speed = samples / busy_s
+            old = self.speed[worker]
+            self.speed[worker] = speed if not old else old + SPEED_SMOOTHING * (speed - old)
+        self.reports[worker] += 1
+        self.active[worker], self.missed[worker] = True, 0     # back in the ring
+        self.asked[worker] = now
+        self.first_ask = now if self.first_ask is None else self.first_ask
+        self.samples[worker] = samples
+        self.waiting[worker] = now
+
+    def leave(self, worker: int) -> None:
+        """``worker`` is done: it no longer has a turn."""
+        self.active[worker] = False
+        self.waiting.pop(worker, None)
+        if self.turn == worker:
+            self.turn = self._after(worker)
+
+    def withdraw(self, worker: int) -> None:
+        """Forget ``worker``'s request (the server answered it with an error)."""
+        self.waiting.pop(worker, None)
+
+    def poll(self, now: float) -> List[tuple]:
+        """``[(worker, answer)]`` for the workers released now, in release order."""
+        out = []
+        if any(a and t is None for a, t in zip(self.active, self.asked)):
+            return out                           # the start line: not every worker has asked
+        while self.waiting:
+            self._pass_over()
+            gap, period = self.gap(), self.period()
+            if self.turn in self.waiting and now >= self.last_release + gap:
+                out.append(self._release(self.turn, now, gap, True))
+                continue
+            if period is not None:
+                late = [w for w, since in self.waiting.items()
+                        if now >= since + self.policy.patience * period]   # as next_due
+                if late:
+                    out.append(self._release(min(late, key=self.waiting.get), now, gap, False))
+                    continue
+            break
+        return out
+
+    def next_due(self, now: float) -> Optional[float]:
+        """When ``poll`` may next release someone (None: only a request can change it)."""
+        if not self.waiting or any(a and t is None for a, t in zip(self.active, self.asked)):
+            return None
+        due, period = math.inf, self.period()
+        self._pass_over()
+        if self.turn in self.waiting:
+            due = self.last_release + self.gap()
+        if period is not None:
+            due = min(due, min(self.waiting.values()) + self.policy.patience * period)
+        return due if due < math.inf else None
+
+    def overdue(self, now: float) -> Optional[str]:
+        """The error for the workers asking for turns if a worker has not come for its
+        turn within the timeout (it may have died or hung), else None."""
+        for w in range(self.n):
+            if not self.active[w] or w in self.waiting:
+                continue
+            since = self.released[w] if self.released[w] is not None else self.first_ask
+            if since is not None and now - since > self.timeout:
+                what = ("has not asked for its next turn since its release" if
+                        self.released[w] is not None else "has never asked for a turn")
+                return (f"R²SP turns waited for worker {w} (world rank {w}), which {what} "
+                        f"{now - since:.0f} s ago; it may have died or hung (PYCOLL_TIMEOUT "
+                        "sets the limit; under R²SP every worker calls pycoll.ps.turn before "
+                        "each push, as TorchWorker does)")
+        return None
+
+    # ------------------------------------------------------------ decisions
+    def period(self) -> Optional[float]:
+        """The iteration period without the wait for a turn, once the warm-up measured it."""
+        if self.rounds < self.policy.warmup or len(self.periods) < min(self.n, 2):
+            return None
+        return statistics.median(self.periods)
+
+    def gap(self) -> float:
+        period, active = self.period(), sum(self.active)
+        return 0.0 if period is None or active <= 1 else period / (self.policy.safety * active)
+
+    def _after(self, worker: int) -> int:
+        for step in range(1, self.n + 1):
+            w = (worker + step) % self.n
+            if self.active[w]:
+                return w
+        return worker
+
+    def _pass_over(self) -> None:
+        """Move the turn past workers that lost two turns in a row and have not asked."""
+        for _ in range(self.n):
+            if self.turn in self.waiting or self.missed[self.turn] < 2:
+                return
+            self.skipped[self.turn] += 1
+            self.turn = self._after(self.turn)
+
+    def _release(self, worker: int, now: float, gap: float, in_turn: bool):
+        if not in_turn:
+            self.out_of_turn += 1
+            w = self.turn
+            while w != worker:                   # they lose this round's turn
+                if self.active[w]:
+                    self.skipped[w] += 1
+                    self.missed[w] += 1
+                w = (w + 1) % self.n
+        if worker <= self.previous or self.previous < 0:     # the order wrapped: a round
+            self.rounds += 1
+            self._plan()
+        self.previous = worker
+        self.turn = self._after(worker)
+        waited = now - self.waiting.pop(worker)
+        self.wait_s[worker] += waited
+        self.longest_wait[worker] = max(self.longest_wait[worker], waited)
+        self.turns[worker] += 1
+        self.released[worker] = self.last_release = now
+        self.log.append((worker, now, gap, in_turn))
+        if self.plan is not None:
+            self.batch[worker] = self.plan[worker]
+        self.batches[worker] += self.batch[worker]
+        weight = self.samples[worker] * self.n / sum(self.base)
+        return worker, dict(weight=weight, batch=self.batch[worker], period_s=self.period(),
+                            gap_s=gap)
+
+    def _plan(self) -> None:
+        """This round's batch sizes: the global batch split by speed (after the warm-up)."""
+        ready = [w for w in range(self.n) if self.active[w]]
+        if not self.policy.adapt or self.rounds <= self.policy.warmup or \
+                any(self.speed[w] <= 0 for w in ready):
+            return
+        low, high = self.policy.batch
+        sizes = split(sum(self.base[w] for w in ready), [self.speed[w] for w in ready],
+                      [max(1, math.ceil(low * self.base[w])) for w in ready],
+                      [max(1, math.floor(high * self.base[w])) for w in ready])
+        self.plan = list(self.batch)
+        for w, size in zip(ready, sizes):
+            self.plan[w] = size
+
+    def stats(self) -> dict:
+        def median(values):
+            return statistics.median(values) if values else None
+        return dict(
+            period_s=self.period(), gap_s=self.gap(), rounds=self.rounds,
+            out_of_turn=self.out_of_turn, global_batch=sum(self.base),
+            workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
+                          longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
+                          batch=self.batch[w], first_batch=self.base[w],
+                          mean_batch=self.batches[w] / max(1, self.turns[w]),
+                          speed=self.speed[w], work_s=median(self.work[w]),
+                          iteration_s=median(self.iteration[w])) for w in range(self.n)],
+            recent_releases=[list(entry) for entry in self.log])
+
+
+class Pacer:
+    """A worker's side of the turns, for a training loop: ``start()`` when the parameters
+    are in (an iteration begins: it asks for the turn now), ``turn()`` before pushing
+    (waits for it); ``batch_size`` is the size of the next batch to train on, which the
+    coordinator adapts."""
+
+    def __init__(self, batch_size: int):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"R²SP needs each worker's batch size (an integer >= 1), got "
+                             f"{batch_size!r}: e.g. TorchWorker(model, batch_size=64)")
+        self.batch_size = int(batch_size)
+        self.began: Optional[float] = None       # when this iteration began
+        self.waited = self.busy = 0.0
+        self.pending = None                      # the turn asked for, not yet waited for
+        self.asked = self.done = 0               # samples reported; in the last iteration
+
+    def start(self) -> None:
+        if self.pending is not None:             # this iteration has asked already
+            return
+        from . import turn
+        now = time.monotonic()
+        if self.began is not None:               # the last iteration: samples and busy time
+            self.busy = now - self.began - self.waited
+        self.began, self.waited, self.asked = now, 0.0, self.done or self.batch_size
+        self.pending = turn(self.asked, self.busy, wait=False)
+
+    def turn(self, samples: Optional[int] = None) -> float:
+        """Wait for this worker's turn; the weight of the push that follows. ``samples``:
+        in the gradient (default: the batch size handed out)."""
+        self.start()
+        started = time.monotonic()
+        answer, self.pending = self.pending.wait(), None
+        self.waited += time.monotonic() - started
+        timeline.interval("turn wait", "ps", started, reason="turn")
+        self.done = self.batch_size if samples is None else samples
+        self.batch_size = answer["batch"]
+        return answer["weight"] * self.done / self.asked
+
+
+class AdaptiveBatchSampler:
+    """Batches of the indices ``sampler`` yields (a list, ``torch.utils.data.RandomSampler``
+    ...), each as long as ``worker.batch_size`` (a ``TorchWorker`` under R²SP) says when it
+    is drawn: ``DataLoader(dataset, batch_sampler=AdaptiveBatchSampler(sampler, worker))``.
+    A DataLoader with worker processes draws ``num_workers * prefetch_factor`` batches
+    ahead, so a new size shows that many batches later."""
+
+    def __init__(self, sampler, worker, drop_last: bool = False):
+        self.sampler, self.worker, self.drop_last = sampler, worker, drop_last
+
+    def __iter__(self):
+        batch = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) >= self.worker.batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        """At the current batch size (sizes may change while iterating)."""
+        whole, rest = divmod(len(self.sampler), self.worker.batch_size)
+        return whole + (rest > 0 and not self.drop_last)

@@ -1,0 +1,126 @@
+"""R²SP jobs the tests in test_r2sp.py launch: python r2sp_job.py MODE [args].
+
+Each mode prints what the test checks; any failed check raises (the job exits non-zero).
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import pycoll
+import pycoll.ps as ps
+
+DIM = (1 << 18) + 3          # over 1 MiB of float32: the layout splits it over the servers
+
+
+def staleness(policy, steps=20, warmup=3):
+    """Each worker adds exactly 1 to its own slot of two counters per push (weight 1:
+    equal samples). Between two of a worker's pull answers, each other worker's slot may
+    grow by at most 1: its gradient missed at most N-1 updates. (Checked once the gap
+    spaces the turns: in the warm-up's rounds turns go back to back, and pushes to a
+    server may overtake each other.) Worker 0 also checks the coordinator's release
+    order (round robin) and spacing (>= the gap)."""
+    ps.init(policy=policy)
+    rank, size = pycoll.rank(), pycoll.size()
+    counts = {"a": np.zeros(size), "b": np.zeros(DIM)}
+    ps.init_params(counts)
+    seen = {k: v.copy() for k, v in counts.items()}
+    rng = np.random.default_rng(rank)
+    worst, weights = 0, set()
+    for step in range(1, steps + 1):
+        compute = (0.03 if rank == 0 else 0.02) * (1 + 0.5 * rng.random())  # worker 0 slower
+        time.sleep(compute)
+        answer = ps.turn(1, compute)
+        weights.add(answer["weight"])
+        one_hot = [np.zeros(len(v)) for v in counts.values()]
+        for v in one_hot:
+            v[rank] = size
+        ps.push_pull(list(counts), one_hot, outs=list(counts.values()),
+                     weight=answer["weight"]).wait()
+        for key, now in counts.items():
+            slots = now[:size]
+            assert abs(slots[rank] - step) < 1e-9, (key, slots, step)       # own pushes all in
+            others = np.delete(slots - seen[key][:size], rank)
+            if step > warmup:
+                assert np.all(others <= 1 + 1e-9), (key, step, slots, seen[key][:size])
+                worst = max(worst, int(round(others.sum())))
+            seen[key] = now.copy()
+        if rank == 0 and step == steps // 2:         # every worker is still in the ring
+            check_releases(ps.counters()["servers"][0]["r2sp"], size)
+    assert weights == {1.0}, weights
+    assert worst <= size - 1, worst
+    stats = ps.counters()
+    ps.turn(0)
+    print(f"worker {rank}: {policy} missed at most {worst} updates (N-1 = {size - 1}); "
+          f"turns {stats['worker']['turns']}", flush=True)
+
+
+def check_releases(r2sp, size):
+    """Every release in turn is the ring's next worker after the release before it, at
+    least the gap later. A worker late by more than ``patience`` periods (only load on
+    the machine makes one late here) is released out of turn and the ring goes on after
+    it; most releases must still be in turn."""
+    releases = r2sp["recent_releases"]
+    ordered = [(a[0], b[0]) for a, b in zip(releases, releases[1:]) if b[3]]
+    assert all(b == (a + 1) % size for a, b in ordered), releases
+    assert 2 * sum(1 for *_, in_turn in releases if in_turn) >= len(releases), releases
+    spaced = [(b[1] - a[1], b[2]) for a, b in zip(releases, releases[1:]) if b[3]]
+    assert all(after >= gap - 1e-6 for after, gap in spaced), spaced
+    assert r2sp["gap_s"] > 0 or size == 1
+    print(f"release order round robin over {len(releases)} releases; spacing >= gap "
+          f"({1e3 * r2sp['gap_s']:.2f} ms, period {1e3 * r2sp['period_s']:.2f} ms)", flush=True)
+
+
+def weighted(rounds=5, n=1000):
+    """Workers push fixed gradients of batches of 1, 2, ... samples under R²SP without
+    adaptation; the servers' SGD must equal, after ``rounds`` rounds, the reference:
+    each round one step along the sample-weighted mean gradient."""
+    lr = 0.1
+    ps.init(policy="r2sp:adapt=0", optimizer=ps.SGD(lr=lr))
+    rank, size = pycoll.rank(), pycoll.size()
+    w = np.linspace(-1, 1, n).astype(np.float64)
+    start = w.copy()
+    ps.init_params({"w": w})
+    samples = rank + 1
+
+    def gradient(worker):
+        return np.random.default_rng(worker).standard_normal(n)
+    for _ in range(rounds):
+        answer = ps.turn(samples, 0.001)
+        assert answer["batch"] == samples, answer              # no adaptation: kept
+        ps.push_pull("w", gradient(rank), outs=w, weight=answer["weight"]).wait()
+    ps.turn(0)
+    pycoll.barrier()
+    ps.pull("w", w).wait()
+    total = sum(r + 1 for r in range(size))
+    mean = sum((r + 1) / total * gradient(r) for r in range(size))
+    reference = start - lr * rounds * mean
+    np.testing.assert_allclose(w, reference, rtol=1e-12, atol=1e-12)
+    print(f"worker {rank}: sample-weighted updates match the reference (batches 1..{size})",
+          flush=True)
+
+
+def dies(seconds=30):
+    """Worker 1 stops (SIGSTOP: hung, never exits) right after its third turn is granted,
+    before it pushes; the others' turns must end in an error naming it."""
+    ps.init(policy="r2sp")
+    rank = pycoll.rank()
+    x = np.zeros(1000, np.float32)
+    ps.init_params({"x": x})
+    deadline, step = time.monotonic() + float(seconds), 0
+    while time.monotonic() < deadline:
+        step += 1
+        time.sleep(0.005)
+        answer = ps.turn(16, 0.005)
+        if rank == 1 and step == 3:
+            print("worker 1: stopping while holding its turn", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ps.push_pull("x", np.ones_like(x), outs=x, weight=answer["weight"]).wait()
+    print("the job should have failed", flush=True)
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    {"staleness": staleness, "weighted": weighted, "dies": dies}[mode](*args)

@@ -154,6 +154,9 @@ KNOBS = {k.name: k for k in (
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
     Knob("partial_cache_after", 3, _number(int, 0, "a whole number of uses >= 0"),
          "partial_allreduce: a group of ranks gets its own cached communicator at this use (0: never)"),
+    Knob("partial_direct_bytes", 65536, _number(int, 0, "a whole number of bytes >= 0"),
+         "partial_allreduce: tensors up to this size go to every member at once (one latency) "
+         "instead of around the ring"),
 )}
 
 _overrides: dict = {}

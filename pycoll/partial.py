@@ -41,7 +41,7 @@ import hashlib
 import time
 from collections import Counter
 from contextlib import nullcontext
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -56,13 +56,24 @@ from .work import CollectiveTimeout, GroupBroken, Work, poll
 CHUNK_BYTES = 1 << 18
 
 
+class _Group(NamedTuple):
+    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index."""
+    members: Tuple[int, ...]
+    ranks: List[int]
+    index: int
+
+
 class _Cache:
     """Per-world state: uses of each group, rounds begun with each peer, and the
     communicators made for repeat groups."""
 
+    GROUPS = 1 << 14                     # ranks lists remembered (read on every call)
+
     def __init__(self, comm):
         self.comm = comm
+        self.me, self.size = comm.Get_rank(), comm.Get_size()
         self.tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self.groups: dict = {}               # ranks as passed -> _Group
         self.uses: Counter = Counter()
         self.shared: Counter = Counter()     # peer -> rounds begun with it
         self.comms: dict = {}
@@ -71,6 +82,21 @@ class _Cache:
         # messages in Python, where the ring must run to be paced.
         self.compiled = _C.mpi_bound() and not isinstance(comm, emulation.Comm)
         self.handles = (comm.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle, MPI.UNDEFINED)
+
+    def group(self, ranks) -> _Group:
+        try:
+            key = ranks if type(ranks) is tuple else tuple(ranks)
+            found = self.groups.get(key)
+        except TypeError:                    # not iterable, or not hashable: _members says
+            key = found = None
+        if found is None:
+            members = _members(ranks, self.me, self.size)
+            found = _Group(members, list(members), members.index(self.me))
+            if key is not None:
+                if len(self.groups) >= self.GROUPS:
+                    self.groups.clear()
+                self.groups[key] = found
+        return found
 
 
 _cache: Optional[_Cache] = None
@@ -118,24 +144,26 @@ def _late(name, members, me, peer) -> str:
             "a member may have skipped it, issued its groups in another order, or died")
 
 
-def _reduce(state: _Cache, members, me, tags, ptr, count, dtype, op, deadline, name, keep,
+def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline, name, keep,
             direct_bytes: int) -> None:
-    """Reduce ``count`` elements at ``ptr`` among ``members`` in place; ``keep`` owns that
+    """Reduce ``count`` elements at ``ptr`` among ``group`` in place; ``keep`` owns that
     memory (kept while sends of a failed round may still read it)."""
-    _abandoned[:] = [(sends, owner) for sends, owner in _abandoned
-                     if not MPI.Request.Testall(sends)]
+    if _abandoned:
+        _abandoned[:] = [(sends, owner) for sends, owner in _abandoned
+                         if not MPI.Request.Testall(sends)]
     if not state.compiled:
-        _Ring(state.comm, members, me, tags, ptr, count, dtype, op, deadline, name, keep).run()
+        _Ring(state.comm, group.members, state.me, tags, ptr, count, dtype, op, deadline, name,
+              keep).run()
         return
-    scale = 1.0 / len(members) if op is Average else 1.0
+    average = op is Average
     status, peer, error, sends = _C.partial_allreduce(
-        *state.handles, list(members), tags, members.index(me), ptr, count, dtype,
-        "sum" if op is Average else op.value, scale, CHUNK_BYTES, direct_bytes,
-        max(0.0, deadline - time.monotonic()))
+        *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
+        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0, CHUNK_BYTES,
+        direct_bytes, max(0.0, deadline - time.monotonic()))
     if sends:
         _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
     if status == 1:
-        raise CollectiveTimeout(_late(name, members, me, peer))
+        raise CollectiveTimeout(_late(name, group.members, state.me, peer))
     if status:
         raise MPI.Exception(error)
 
@@ -231,44 +259,44 @@ class _Ring:
         return _late(self.name, self.members, self.members[self.p], peer)
 
 
-def _agree(state: _Cache, members, me, tags, deadline, name, what: str) -> None:
+def _agree(state: _Cache, group: _Group, tags, deadline, name, what: str) -> None:
     """PYCOLL_CHECK for a group with no communicator: a max of (h, -h), h a hash of what
     this member passes (its group included), tells every member whether all passed the
     same."""
-    k = len(members)
-    h = int.from_bytes(hashlib.blake2b(f"{members} {what}".encode(), digest_size=8).digest(),
-                       "little") >> 2
+    k = len(group.members)
+    h = int.from_bytes(hashlib.blake2b(f"{group.members} {what}".encode(),
+                                       digest_size=8).digest(), "little") >> 2
     token = np.repeat(np.array([h, -h], np.int64), k)
-    _reduce(state, members, me, tags, token.ctypes.data, token.size, "int64", reduce_op("max"),
+    _reduce(state, group, tags, token.ctypes.data, token.size, "int64", reduce_op("max"),
             deadline, name, token, direct_bytes=token.nbytes)
     if token[0] != -token[k]:
-        raise CollectiveMismatch(f"pycoll: {name} among ranks {list(members)}: the members "
-                                 f"passed different tensors or ops; rank {me} passed {what}. "
-                                 "Every member must pass the same dtype, size and op.")
+        raise CollectiveMismatch(f"pycoll: {name} among ranks {group.ranks}: the members "
+                                 f"passed different tensors or ops; rank {state.me} passed "
+                                 f"{what}. Every member must pass the same dtype, size and op.")
 
 
-def _cached_comm(state: _Cache, members, me, tags, uses, deadline, name):
+def _cached_comm(state: _Cache, group: _Group, tags, uses, deadline, name):
     """The group's own communicator, made at its PYCOLL_PARTIAL_CACHE_AFTER-th use."""
-    comm = state.comms.get(members)
+    comm = state.comms.get(group.members)
     if comm is None:
         # A token first: MPI_Comm_create_group has no timeout, our wait does.
-        token = np.zeros(len(members), np.uint8)
-        _reduce(state, members, me, tags, token.ctypes.data, token.size, "uint8",
-                reduce_op("max"), deadline, name, token, direct_bytes=token.nbytes)
-        group = state.comm.Get_group().Incl(list(members))
+        token = np.zeros(len(group.members), np.uint8)
+        _reduce(state, group, tags, token.ctypes.data, token.size, "uint8", reduce_op("max"),
+                deadline, name, token, direct_bytes=token.nbytes)
+        mpi_group = state.comm.Get_group().Incl(group.ranks)
         try:
-            comm = state.comm.Create_group(group, uses % (state.tag_ub + 1))
+            comm = state.comm.Create_group(mpi_group, uses % (state.tag_ub + 1))
         finally:
-            group.Free()
-        state.comms[members] = comm
+            mpi_group.Free()
+        state.comms[group.members] = comm
     return comm
 
 
 def _plan(x, ranks, op, name, inplace):
     op, name = reduce_op(op), name or "partial_allreduce"
     state = _state()
-    me, size = runtime.rank(), runtime.size()
-    members = _members(ranks, me, size)
+    group = state.group(ranks)
+    members, me = group.members, state.me
     src = tensors.as_buffer(x, writable=inplace)
     check_reduction(op, src.dtype)
     out = x if inplace else tensors.clone(x)
@@ -282,34 +310,34 @@ def _plan(x, ranks, op, name, inplace):
         uses = state.uses[members]
         tags = pair_tags(state.shared, members, me, state.tag_ub)
         if members in state.broken:
-            raise GroupBroken(f"pycoll: {name} among ranks {list(members)}: this group is broken "
+            raise GroupBroken(f"pycoll: {name} among ranks {group.ranks}: this group is broken "
                               f"on rank {me} since an earlier round failed "
                               f"({state.broken[members]}); that round's messages may still "
                               "arrive. Use other groups, or restart the job.")
         deadline = time.monotonic() + config.get("timeout")
         try:
             if config.get("check"):
-                _agree(state, members, me, tags, deadline, name,
+                _agree(state, group, tags, deadline, name,
                        f"{dst.dtype} x {dst.count} op={op.value}")
             after = config.get("partial_cache_after")
             # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
             with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
                 if after and uses >= after:
-                    comm = _cached_comm(state, members, me, tags, uses, deadline, name)
+                    comm = _cached_comm(state, group, tags, uses, deadline, name)
                     emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
                         MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
                     if op is Average:
                         _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
                 else:
-                    _reduce(state, members, me, tags, d, dst.count, dst.dtype, op, deadline,
-                            name, out, config.get("partial_direct_bytes"))
+                    _reduce(state, group, tags, d, dst.count, dst.dtype, op, deadline, name, out,
+                            config.get("partial_direct_bytes"))
         except CollectiveMismatch:
             raise                        # every member found it after a complete exchange
         except BaseException as error:
             state.broken[members] = f"{type(error).__name__}: {error}"
             raise
         return out
-    return f"{name}({list(members)})", run
+    return f"{name}({group.ranks})", run
 
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):

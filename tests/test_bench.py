@@ -200,3 +200,20 @@ def test_emulation_bench_smoke(tmp_path):
         assert r["model_ms"] > 0 and r["measured_ms"] > 0 and r["real_ms"] > 0
         assert r["measured_ms"] >= 0.9 * r["model_ms"], r      # never faster than the model
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- bench/partial.py
+
+def test_partial_bench_smoke(tmp_path):
+    """bench/partial.py shrunk: 3 ranks, groups of 2 and 3, four sizes across both of the
+    partial all-reduce's paths (each result checked); a row per size with its ratio."""
+    out = tmp_path / "partial.json"
+    stdout = run_bench(os.path.join(ROOT, "bench", "partial.py"), "--groups", "2,3",
+                       "--max-bytes", "1M", "--step-factor", "64", "--target-ms", "1",
+                       "--batches", "1", "--json", out, ranks=3)
+    assert "# groups of 2 at 3 ranks" in stdout and "# groups of 3 at 3 ranks" in stdout
+    assert "worst ratio" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["group"], r["bytes"]) for r in rows] == [
+        (k, n) for k in (2, 3) for n in (4, 256, 16384, 1 << 20)]
+    assert all(r["partial_us"] > 0 and r["mpi_us"] > 0 and r["ratio"] > 0 for r in rows)

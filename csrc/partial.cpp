@@ -9,9 +9,11 @@
 // reduces the k buffers in member order (one latency instead of 2(k-1); the same bits
 // everywhere because every member combines in the same order).
 //
-// Waiting: MPI_Testany in a loop that yields the core between tries but never sleeps
-// while messages flow; only a wait that has made no progress for STALL_S (a late peer,
-// a straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
+// Waiting: MPI_Testany in a loop that never sleeps while messages flow. It spins for
+// SPIN_S after the last progress (a peer on another core answers within it: yielding at
+// once costs a rank sharing its core with other jobs tens of us), then yields the core
+// between tries; only a wait that has made no progress for STALL_S (a late peer, a
+// straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
 #include "partial.h"
 
 #include <sched.h>
@@ -27,7 +29,7 @@
 namespace pycoll::partial {
 namespace {
 
-constexpr double STALL_S = 2e-3;
+constexpr double SPIN_S = 50e-6, STALL_S = 2e-3;
 constexpr size_t NONE = SIZE_MAX;
 
 double now() {
@@ -46,8 +48,8 @@ void check(int code) {
     if (code) throw Stop{Outcome::Failed, -1, code};
 }
 
-// Waiting on peers: yields the core while progress is recent, then sleeps growing to
-// 1 ms; Late past the round's deadline.
+// Waiting on peers: spins, then yields the core, then sleeps growing to 1 ms (see the
+// top); Late past the round's deadline.
 class Patience {
   public:
     explicit Patience(double timeout) : deadline_(now() + timeout), last_(now()) {}
@@ -55,6 +57,7 @@ class Patience {
     void idle(int peer) {
         const double t = now();
         if (t > deadline_) throw Stop{Outcome::Late, peer, 0};
+        if (t - last_ < SPIN_S) return;
         if (t - last_ < STALL_S) {
             sched_yield();
             return;

@@ -69,7 +69,8 @@ def train(scheme: str, args, data) -> dict:
     """One scheme on every rank; rank 0 gets the merged log."""
     comm = MPI.COMM_WORLD
     rank = comm.rank
-    model = mlp(args.seed, args.hidden)          # the same start everywhere
+    # The same start everywhere; args built by hand (tests) may leave the width out.
+    model = mlp(args.seed, getattr(args, "hidden", 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     sync = make_sync(scheme, model, args.group_size, args.seed)

@@ -95,11 +95,12 @@ PYBIND11_MODULE(_C, m) {
         "partial_allreduce",
         [](intptr_t comm, intptr_t byte_type, intptr_t request_null, int undefined, std::vector<int> members,
            std::vector<int> tags, size_t me, uintptr_t data, size_t count, const std::string& dtype,
-           const std::string& op, double scale, size_t chunk_bytes, size_t direct_bytes, double timeout) {
+           const std::string& op, double scale, size_t chunk_bytes, size_t direct_bytes, double timeout,
+           double spin) {
             if (!mpi::bound()) throw std::runtime_error("partial_allreduce: MPI is not bound (mpi_bind)");
             partial::Round r{comm, byte_type, request_null, undefined, std::move(members), std::move(tags), me,
                              ptr(data), count, parse_dtype(dtype), parse_op(op), scale, chunk_bytes, direct_bytes,
-                             timeout};
+                             timeout, spin};
             partial::Outcome out;
             {
                 py::gil_scoped_release release;
@@ -109,7 +110,7 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("comm"), py::arg("byte_type"), py::arg("request_null"), py::arg("undefined"), py::arg("members"),
         py::arg("tags"), py::arg("me"), py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-        py::arg("scale"), py::arg("chunk_bytes"), py::arg("direct_bytes"), py::arg("timeout"),
+        py::arg("scale"), py::arg("chunk_bytes"), py::arg("direct_bytes"), py::arg("timeout"), py::arg("spin"),
         "Reduce data in place among members (ranks of comm; this rank is members[me]) over MPI's point to point "
         "(csrc/partial.h), handles as mpi4py's. (status, peer, error, sends): status 0 done, 1 late waiting for "
         "rank peer, 2 MPI error `error`; sends: requests (handles) that may still read data after a failure.");

@@ -9,10 +9,11 @@
 // reduces the k buffers in member order (one latency instead of 2(k-1); the same bits
 // everywhere because every member combines in the same order).
 //
-// Waiting: MPI_Testany in a loop that never sleeps while messages flow. It spins for
-// SPIN_S after the last progress (a peer on another core answers within it: yielding at
-// once costs a rank sharing its core with other jobs tens of us), then yields the core
-// between tries; only a wait that has made no progress for STALL_S (a late peer, a
+// Waiting: MPI_Testany in a loop that never sleeps while messages flow. Where each rank
+// has a core it spins for Round::spin after the last progress (a peer on another core
+// answers within it: yielding at once costs tens of us on a machine shared with other
+// jobs), then yields the core between tries (at once where ranks share cores: the peer
+// may need this one); only a wait that has made no progress for STALL_S (a late peer, a
 // straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
 #include "partial.h"
 
@@ -29,7 +30,7 @@
 namespace pycoll::partial {
 namespace {
 
-constexpr double SPIN_S = 50e-6, STALL_S = 2e-3;
+constexpr double STALL_S = 2e-3;
 constexpr size_t NONE = SIZE_MAX;
 
 double now() {
@@ -52,12 +53,12 @@ void check(int code) {
 // top); Late past the round's deadline.
 class Patience {
   public:
-    explicit Patience(double timeout) : deadline_(now() + timeout), last_(now()) {}
+    Patience(double timeout, double spin) : deadline_(now() + timeout), spin_(spin), last_(now()) {}
     void progressed() { last_ = now(), delay_ = 0; }
     void idle(int peer) {
         const double t = now();
         if (t > deadline_) throw Stop{Outcome::Late, peer, 0};
-        if (t - last_ < SPIN_S) return;
+        if (t - last_ < spin_) return;
         if (t - last_ < STALL_S) {
             sched_yield();
             return;
@@ -68,13 +69,13 @@ class Patience {
     }
 
   private:
-    double deadline_, last_, delay_ = 0;
+    double deadline_, spin_, last_, delay_ = 0;
 };
 
 class Exchange {
   public:
     explicit Exchange(const Round& r)
-        : r_(r), item_(itemsize(r.dt)), patience_(r.timeout), sends_(r.request_null), recvs_(r.request_null) {}
+        : r_(r), item_(itemsize(r.dt)), patience_(r.timeout, r.spin), sends_(r.request_null), recvs_(r.request_null) {}
 
     Outcome run() {
         Outcome out;

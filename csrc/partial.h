@@ -25,7 +25,8 @@ struct Round {
     double scale = 1.0;        // applied once reduced (Average: 1 / members)
     size_t chunk_bytes = 1 << 18;  // the ring's message size
     size_t direct_bytes = 0;       // at most this many bytes: the direct exchange
-    double timeout = 0;            // seconds a wait on one peer may last
+    double timeout = 0;            // seconds the round may last
+    double spin = 0;               // seconds a wait spins before yielding the core (0: ranks share cores)
 };
 
 struct Outcome {

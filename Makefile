@@ -2,7 +2,8 @@
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
 #            configuration at 2 and 4, and over TCP at 3).
-# make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the training
+# make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the partial all-reduce
+#             against MPI at 4 and 8 ranks, the training
 #             benchmarks and the emulated network against its model (bench/results/).
 # make reproduce: the papers' headline experiments under emulation, one report.
 VENV    ?= .venv
@@ -53,6 +54,7 @@ bench: install
 	$(RUN) -np 4 python bench/fusion.py --json bench/results/fusion-np4.json
 	for n in 2 4; do $(RUN) -np $$n python bench/check_cost.py || exit 1; done
 	$(RUN) -np 2 python bench/timeline_cost.py
+	for n in 4 8; do $(RUN) -np $$n python bench/partial.py --json bench/results/partial-np$$n.json || exit 1; done
 	for n in 2 4; do $(RUN) -np $$n python bench/torch_training.py --json bench/results/torch-training-np$$n.json || exit 1; done
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results

@@ -4,7 +4,8 @@
 
 Runs ``examples/ripples_digits.py --scheme all`` twice under pycollrun (every scheme with
 the same budget, model, data and emulated compute time per step): once with equal
-workers, once with ``--slowdown 3:4``. Prints time to 90% test accuracy (mean of the
+workers, once with ``--slowdown 3:4``. ``--link`` emulates that network; ``--hidden`` widens
+the MLP (75 x HIDDEN parameters: 65536 makes an 18.75 MiB model). Prints time to 90% test accuracy (mean of the
 workers' own models), final accuracy (of the averaged model) and the speed-up of each
 scheme over AllReduce in the same scenario; plots accuracy against wall-clock time.
 """
@@ -25,7 +26,8 @@ def run(ranks: int, flags, args, seed: int = 0) -> dict:
     """Every scheme once on ``ranks`` workers (pycollrun ``flags``); ripples_digits.py's JSON."""
     return run_job(ranks, "ripples_digits.py",
                    ["--scheme", "all", "--seconds", args.seconds, "--step-time", args.step_time,
-                    "--group-size", args.group_size, "--seed", seed], flags=flags)
+                    "--group-size", args.group_size, "--hidden", args.hidden, "--seed", seed],
+                   flags=[*flags, *(["--link", args.link] if args.link else [])])
 
 
 def main():
@@ -35,6 +37,8 @@ def main():
     parser.add_argument("--step-time", type=float, default=0.03)
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--hidden", type=int, default=64, help="the MLP's width (model size)")
+    parser.add_argument("--link", help="emulated network, pycollrun's --link (e.g. 50us,1.25GB/s)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ripples-training"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -42,8 +46,9 @@ def main():
 
     results = {name: run(args.ranks, flags, args) for name, flags in SCENARIOS.items()}
     rows = []
-    print(f"{args.ranks} workers, digits MLP, {args.step_time * 1000:g} ms emulated compute per "
-          f"step, {args.seconds:g} s per scheme, group size {args.group_size}")
+    print(f"{args.ranks} workers, digits MLP ({(75 * args.hidden + 10) * 4 / 2**20:.3g} MiB of float32), "
+          f"{args.step_time * 1000:g} ms emulated compute per step, {args.seconds:g} s per "
+          f"scheme, group size {args.group_size}, link {args.link or 'none'}")
     print(f"| scenario | scheme | time to {args.target:.0%} (s) | vs AllReduce | final accuracy | steps per worker |")
     print("|---|---|---|---|---|---|")
     for scenario, result in results.items():

@@ -9,6 +9,7 @@
 #include "kernels.h"
 #include "mpi_calls.h"
 #include "partition.h"
+#include "partial.h"
 #include "short_path.h"
 
 namespace py = pybind11;
@@ -91,8 +92,33 @@ PYBIND11_MODULE(_C, m) {
     m.def(
         "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },
         py::arg("module_path"), py::arg("handle_size"),
-        "Find MPI_Allreduce beside mpi4py's extension module (MPI.__file__); MPI._sizeof(MPI.Comm) is "
+        "Find MPI's functions beside mpi4py's extension module (MPI.__file__); MPI._sizeof(MPI.Comm) is "
         "handle_size. Returns '' once bound, else why not.");
+    m.def("mpi_bound", &mpi::bound, "Whether mpi_bind found MPI: the short path and partial_allreduce can run.");
+
+    m.def(
+        "partial_allreduce",
+        [](intptr_t comm, intptr_t byte_type, intptr_t request_null, int undefined, std::vector<int> members,
+           std::vector<int> tags, size_t me, uintptr_t data, size_t count, const std::string& dtype,
+           const std::string& op, double scale, size_t chunk_bytes, size_t direct_bytes, double timeout,
+           double spin) {
+            if (!mpi::bound()) throw std::runtime_error("partial_allreduce: MPI is not bound (mpi_bind)");
+            partial::Round r{comm, byte_type, request_null, undefined, std::move(members), std::move(tags), me,
+                             ptr(data), count, parse_dtype(dtype), parse_op(op), scale, chunk_bytes, direct_bytes,
+                             timeout, spin};
+            partial::Outcome out;
+            {
+                py::gil_scoped_release release;
+                out = partial::allreduce(r);
+            }
+            return py::make_tuple(static_cast<int>(out.status), out.peer, out.error, out.sends);
+        },
+        py::arg("comm"), py::arg("byte_type"), py::arg("request_null"), py::arg("undefined"), py::arg("members"),
+        py::arg("tags"), py::arg("me"), py::arg("data"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+        py::arg("scale"), py::arg("chunk_bytes"), py::arg("direct_bytes"), py::arg("timeout"), py::arg("spin"),
+        "Reduce data in place among members (ranks of comm; this rank is members[me]) over MPI's point to point "
+        "(csrc/partial.h), handles as mpi4py's. (status, peer, error, sends): status 0 done, 1 late waiting for "
+        "rank peer, 2 MPI error `error`; sends: requests (handles) that may still read data after a failure.");
 
     // ---- CPU ----
     m.def(

@@ -69,7 +69,8 @@ def train(scheme: str, args, data) -> dict:
     """One scheme on every rank; rank 0 gets the merged log."""
     comm = MPI.COMM_WORLD
     rank = comm.rank
-    model = mlp(args.seed)                       # the same start everywhere
+    # The same start everywhere; args built by hand (tests) may leave the width out.
+    model = mlp(args.seed, getattr(args, "hidden", 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     sync = make_sync(scheme, model, args.group_size, args.seed)
@@ -124,6 +125,8 @@ def main():
                         help="emulated compute seconds per step (before any --slowdown)")
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden units (75 x HIDDEN float32 parameters: 65536 is 18.75 MiB)")
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracy logs")
     parser.add_argument("--seed", type=int, default=0)

@@ -194,6 +194,9 @@ KNOBS = {k.name: k for k in (
     Knob("ipart_drift", 0.25, _number(float, 0, "a positive, finite fraction", above=True),
          "pycoll.overlap: iPart profiles and plans again when the mean step time moves this "
          "fraction away from the one after planning"),
+    Knob("partial_direct_bytes", 65536, _number(int, 0, "a whole number of bytes >= 0"),
+         "partial_allreduce: tensors up to this size go to every member at once (one latency) "
+         "instead of around the ring"),
 )}
 
 _overrides: dict = {}

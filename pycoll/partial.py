@@ -5,24 +5,31 @@
 Ripples' primitive (Luo et al., 2019). Only the members call it and all of them pass the
 same ranks (in any order). Two paths:
 
-- Point-to-point, the default: a ring reduce-scatter then a ring allgather over
-  Isend/Irecv on pycoll's own duplicate of the world communicator. Each block is cut
-  into chunks of ``CHUNK_BYTES``: reducing one chunk (``pycoll._C.reduce``, GIL released)
-  overlaps receiving the next, and a chunk goes on to the next rank as soon as it is
-  reduced. Every member gets the same bits (each block is reduced once, then copied).
-  Messages carry the group's tag: the bitmask of its ranks and the group's sequence
-  number (its count of uses, alike on every member) where they fit MPI's tag range, a
-  hash of both beyond; so groups that share ranks never take each other's messages, nor
-  one round of a group another's.
+- Point-to-point, the default, in the compiled core (``_C.partial_allreduce``,
+  csrc/partial.cpp) on pycoll's own duplicate of the world communicator, calling MPI's
+  non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
+  direct exchange (each member sends its tensor to every other: one latency); beyond, a
+  ring reduce-scatter then allgather in ``CHUNK_BYTES`` chunks, reducing one chunk while
+  the next arrives. Every member gets the same bits. Under ``--link`` the communicator is
+  emulated (its messages are paced in Python), so the same ring runs here in Python.
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
   alike (each use involves them all), so the members switch paths together.
 
+Tags: a message between two ranks carries the number of rounds those two began together
+before (``pair_tags``), modulo MPI's tag range. Groups that share ranks are issued in the
+same relative order on their common members, so both ends of every pair count alike and
+no two rounds between a pair share a tag until the tag range (2^31 in Open MPI, at least
+2^15 by the standard) has wrapped: a late message of a failed round never matches another
+round's receive, whatever the groups. (Ranks only ever match messages from a named
+source, so other pairs' tags do not matter.)
+
 Partial all-reduces run on the engine in issue order, like every collective. Groups that
 share ranks must be issued in the same relative order on their common members (a group
 generator that hands out groups in one global order guarantees it); otherwise they wait
-for each other and raise ``CollectiveTimeout`` after PYCOLL_TIMEOUT, naming the peer.
+for each other and raise ``CollectiveTimeout`` after PYCOLL_TIMEOUT, naming the peer, or
+with PYCOLL_CHECK=1 raise ``CollectiveMismatch`` naming the group.
 
 Fail-stop: after a round fails on a member (a timeout: messages of that round may still
 be in flight), every later partial all-reduce of the same ranks on that member raises
@@ -31,11 +38,11 @@ found by PYCOLL_CHECK is raised by every member after a complete exchange: the g
 stays usable.
 """
 import hashlib
+import os
 import time
-import zlib
 from collections import Counter
 from contextlib import nullcontext
-from typing import Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -48,16 +55,54 @@ from .work import CollectiveTimeout, GroupBroken, Work, poll
 # Large enough that per-message overhead is small, small enough that reduction and
 # transfer of consecutive chunks overlap for the model sizes Ripples averages.
 CHUNK_BYTES = 1 << 18
+# How long the compiled exchange's waits spin before yielding the core, where ranks do
+# not share cores: a peer on another core answers within it.
+SPIN_S = 50e-6
+
+
+class _Group(NamedTuple):
+    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index."""
+    members: Tuple[int, ...]
+    ranks: List[int]
+    index: int
 
 
 class _Cache:
-    """Per-world state: uses of each group and the communicators made for repeat groups."""
+    """Per-world state: uses of each group, rounds begun with each peer, and the
+    communicators made for repeat groups."""
+
+    GROUPS = 1 << 14                     # ranks lists remembered (read on every call)
 
     def __init__(self, comm):
         self.comm = comm
+        self.me, self.size = comm.Get_rank(), comm.Get_size()
+        self.tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self.groups: dict = {}               # ranks as passed -> _Group
         self.uses: Counter = Counter()
+        self.shared: Counter = Counter()     # peer -> rounds begun with it
         self.comms: dict = {}
         self.broken: dict = {}           # members -> the error that broke them here
+        # The compiled exchange runs on the real communicator; an emulated one paces its
+        # messages in Python, where the ring must run to be paced.
+        self.compiled = _C.mpi_bound() and not isinstance(comm, emulation.Comm)
+        self.handles = (comm.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle, MPI.UNDEFINED)
+        # Spin before yielding only where every rank here has a core of its own.
+        self.spin = SPIN_S if runtime.local_size() <= (os.cpu_count() or 1) else 0.0
+
+    def group(self, ranks) -> _Group:
+        try:
+            key = ranks if type(ranks) is tuple else tuple(ranks)
+            found = self.groups.get(key)
+        except TypeError:                    # not iterable, or not hashable: _members says
+            key = found = None
+        if found is None:
+            members = _members(ranks, self.me, self.size)
+            found = _Group(members, list(members), members.index(self.me))
+            if key is not None:
+                if len(self.groups) >= self.GROUPS:
+                    self.groups.clear()
+                self.groups[key] = found
+        return found
 
 
 _cache: Optional[_Cache] = None
@@ -84,13 +129,14 @@ def _members(ranks: Sequence[int], me: int, size: int) -> Tuple[int, ...]:
     return members
 
 
-def group_tag(members: Tuple[int, ...], seq: int, world_size: int, tag_ub: int) -> int:
-    """The tag of round ``seq`` of the group: its rank bitmask and ``seq`` (modulo the
-    rounds that fit beside the mask) when they fit in ``tag_ub``, else a hash of both."""
-    rounds = (tag_ub + 1) >> world_size
-    if rounds >= 2:
-        return (seq % rounds << world_size) + sum(1 << r for r in members)
-    return zlib.crc32(repr((members, seq)).encode()) % (tag_ub + 1)
+def pair_tags(shared: Counter, members: Tuple[int, ...], me: int, tag_ub: int) -> List[int]:
+    """The tags of a round of ``members`` on rank ``me``: for each member, the rounds
+    ``me`` began with it before (``shared``, counted here) modulo ``tag_ub + 1``."""
+    tags = [shared[m] % (tag_ub + 1) for m in members]
+    for m in members:
+        if m != me:
+            shared[m] += 1
+    return tags
 
 
 # Sends of failed rounds, with the objects that own their buffers: MPI cannot cancel a
@@ -98,18 +144,46 @@ def group_tag(members: Tuple[int, ...], seq: int, world_size: int, tag_ub: int) 
 _abandoned: list = []
 
 
+def _late(name, members, me, peer) -> str:
+    return (f"pycoll: {name} among ranks {list(members)} did not complete within "
+            f"PYCOLL_TIMEOUT ({config.get('timeout'):g} s): rank {me} waited for rank {peer}; "
+            "a member may have skipped it, issued its groups in another order, or died")
+
+
+def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline, name, keep,
+            direct_bytes: int) -> None:
+    """Reduce ``count`` elements at ``ptr`` among ``group`` in place; ``keep`` owns that
+    memory (kept while sends of a failed round may still read it)."""
+    if _abandoned:
+        _abandoned[:] = [(sends, owner) for sends, owner in _abandoned
+                         if not MPI.Request.Testall(sends)]
+    if not state.compiled:
+        _Ring(state.comm, group.members, state.me, tags, ptr, count, dtype, op, deadline, name,
+              keep).run()
+        return
+    average = op is Average
+    status, peer, error, sends = _C.partial_allreduce(
+        *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
+        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0, CHUNK_BYTES,
+        direct_bytes, max(0.0, deadline - time.monotonic()), state.spin)
+    if sends:
+        _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
+    if status == 1:
+        raise CollectiveTimeout(_late(name, group.members, state.me, peer))
+    if status:
+        raise MPI.Exception(error)
+
+
 class _Ring:
     """One ring reduce-scatter + allgather over the members on buffer ``ptr`` in place;
     ``keep`` owns that memory."""
 
-    def __init__(self, comm, members, me, tag, ptr, count, dtype, op, deadline, name, keep):
-        _abandoned[:] = [(sends, owner) for sends, owner in _abandoned
-                         if not MPI.Request.Testall(sends)]
+    def __init__(self, comm, members, me, tags, ptr, count, dtype, op, deadline, name, keep):
         self.keep = keep
         k, p = len(members), members.index(me)
         self.comm, self.members, self.k, self.p = comm, members, k, p
         self.left, self.right = members[(p - 1) % k], members[(p + 1) % k]
-        self.tag = tag
+        self.send_tag, self.recv_tag = tags[(p + 1) % k], tags[(p - 1) % k]
         self.ptr, self.dtype, self.op, self.deadline, self.name = ptr, dtype, op, deadline, name
         self.item = tensors.ITEMSIZE[dtype]
         self.bounds = [count * i // k for i in range(k + 1)]
@@ -123,7 +197,7 @@ class _Ring:
     def _send(self, block: int, c: int) -> None:
         lo, hi = self.chunks[block][c]
         req = self.comm.Isend(message(self.ptr + lo * self.item, (hi - lo) * self.item),
-                              dest=self.right, tag=self.tag)
+                              dest=self.right, tag=self.send_tag)
         self.sending.setdefault((block, c), []).append(req)
 
     def run(self) -> None:
@@ -157,7 +231,7 @@ class _Ring:
                               lambda: self._late(self.right))
                     dst = self.ptr + lo * self.item
                 recvs.append(self.comm.Irecv(message(dst, (hi - lo) * self.item),
-                                             source=self.left, tag=self.tag))
+                                             source=self.left, tag=self.recv_tag))
             for _ in recvs:
                 c = self._wait_any(recvs)
                 lo, hi = self.chunks[block][c]
@@ -188,48 +262,47 @@ class _Ring:
             raise
 
     def _late(self, peer: int) -> str:
-        return (f"pycoll: {self.name} among ranks {list(self.members)} did not complete within "
-                f"PYCOLL_TIMEOUT ({config.get('timeout'):g} s): rank {self.members[self.p]} "
-                f"waited for rank {peer}; a member may have skipped it, issued its groups in "
-                "another order, or died")
+        return _late(self.name, self.members, self.members[self.p], peer)
 
 
-def _agree(state: _Cache, members, me, tag, deadline, name, what: str) -> None:
-    """PYCOLL_CHECK for a group with no communicator: a ring max of (h, -h), h a hash of
-    what this member passes, tells every member whether all passed the same."""
-    k = len(members)
-    h = int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(), "little") >> 2
+def _agree(state: _Cache, group: _Group, tags, deadline, name, what: str) -> None:
+    """PYCOLL_CHECK for a group with no communicator: a max of (h, -h), h a hash of what
+    this member passes (its group included), tells every member whether all passed the
+    same."""
+    k = len(group.members)
+    h = int.from_bytes(hashlib.blake2b(f"{group.members} {what}".encode(),
+                                       digest_size=8).digest(), "little") >> 2
     token = np.repeat(np.array([h, -h], np.int64), k)
-    _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "int64",
-          reduce_op("max"), deadline, name, token).run()
+    _reduce(state, group, tags, token.ctypes.data, token.size, "int64", reduce_op("max"),
+            deadline, name, token, direct_bytes=token.nbytes)
     if token[0] != -token[k]:
-        raise CollectiveMismatch(f"pycoll: {name} among ranks {list(members)}: the members "
-                                 f"passed different tensors or ops; rank {me} passed {what}. "
-                                 "Every member must pass the same dtype, size and op.")
+        raise CollectiveMismatch(f"pycoll: {name} among ranks {group.ranks}: the members "
+                                 f"passed different tensors or ops; rank {state.me} passed "
+                                 f"{what}. Every member must pass the same dtype, size and op.")
 
 
-def _cached_comm(state: _Cache, members, me, tag, deadline, name):
+def _cached_comm(state: _Cache, group: _Group, tags, uses, deadline, name):
     """The group's own communicator, made at its PYCOLL_PARTIAL_CACHE_AFTER-th use."""
-    comm = state.comms.get(members)
+    comm = state.comms.get(group.members)
     if comm is None:
-        # A ring token first: MPI_Comm_create_group has no timeout, our wait does.
-        token = np.zeros(len(members), np.uint8)
-        _Ring(state.comm, members, me, tag, token.ctypes.data, token.size, "uint8",
-              reduce_op("max"), deadline, name, token).run()
-        group = state.comm.Get_group().Incl(list(members))
+        # A token first: MPI_Comm_create_group has no timeout, our wait does.
+        token = np.zeros(len(group.members), np.uint8)
+        _reduce(state, group, tags, token.ctypes.data, token.size, "uint8", reduce_op("max"),
+                deadline, name, token, direct_bytes=token.nbytes)
+        mpi_group = state.comm.Get_group().Incl(group.ranks)
         try:
-            comm = state.comm.Create_group(group, tag)
+            comm = state.comm.Create_group(mpi_group, uses % (state.tag_ub + 1))
         finally:
-            group.Free()
-        state.comms[members] = comm
+            mpi_group.Free()
+        state.comms[group.members] = comm
     return comm
 
 
 def _plan(x, ranks, op, name, inplace):
     op, name = reduce_op(op), name or "partial_allreduce"
     state = _state()
-    me, size = runtime.rank(), runtime.size()
-    members = _members(ranks, me, size)
+    group = state.group(ranks)
+    members, me = group.members, state.me
     src = tensors.as_buffer(x, writable=inplace)
     check_reduction(op, src.dtype)
     out = x if inplace else tensors.clone(x)
@@ -238,38 +311,39 @@ def _plan(x, ranks, op, name, inplace):
     def run():
         if len(members) == 1:
             return out                   # a group of one: the reduction is x itself
+        # Counted before anything can fail: every member counts every round issued to it.
+        state.uses[members] += 1
+        uses = state.uses[members]
+        tags = pair_tags(state.shared, members, me, state.tag_ub)
         if members in state.broken:
-            raise GroupBroken(f"pycoll: {name} among ranks {list(members)}: this group is broken "
+            raise GroupBroken(f"pycoll: {name} among ranks {group.ranks}: this group is broken "
                               f"on rank {me} since an earlier round failed "
                               f"({state.broken[members]}); that round's messages may still "
                               "arrive. Use other groups, or restart the job.")
         deadline = time.monotonic() + config.get("timeout")
-        state.uses[members] += 1
-        uses = state.uses[members]
-        tag = group_tag(members, uses, size, state.comm.Get_attr(MPI.TAG_UB))
         try:
             if config.get("check"):
-                _agree(state, members, me, tag, deadline, name,
+                _agree(state, group, tags, deadline, name,
                        f"{dst.dtype} x {dst.count} op={op.value}")
             after = config.get("partial_cache_after")
             # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
             with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
                 if after and uses >= after:
-                    comm = _cached_comm(state, members, me, tag, deadline, name)
+                    comm = _cached_comm(state, group, tags, uses, deadline, name)
                     emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
                         MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
                     if op is Average:
                         _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
                 else:
-                    _Ring(state.comm, members, me, tag, d, dst.count, dst.dtype, op, deadline,
-                          name, out).run()
+                    _reduce(state, group, tags, d, dst.count, dst.dtype, op, deadline, name, out,
+                            config.get("partial_direct_bytes"))
         except CollectiveMismatch:
             raise                        # every member found it after a complete exchange
         except BaseException as error:
             state.broken[members] = f"{type(error).__name__}: {error}"
             raise
         return out
-    return f"{name}({list(members)})", run
+    return f"{name}({group.ranks})", run
 
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):

@@ -221,3 +221,20 @@ def test_timeline_cost_and_plot_smoke(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot_timeline.py"), str(trace),
                     str(png)], check=True, timeout=120)
     assert png.stat().st_size > 1000
+
+
+# ---------------------------------------------------------------- bench/partial.py
+
+def test_partial_bench_smoke(tmp_path):
+    """bench/partial.py shrunk: 3 ranks, groups of 2 and 3, four sizes across both of the
+    partial all-reduce's paths (each result checked); a row per size with its ratio."""
+    out = tmp_path / "partial.json"
+    stdout = run_bench(os.path.join(ROOT, "bench", "partial.py"), "--groups", "2,3",
+                       "--max-bytes", "1M", "--step-factor", "64", "--target-ms", "1",
+                       "--batches", "1", "--json", out, ranks=3)
+    assert "# groups of 2 at 3 ranks" in stdout and "# groups of 3 at 3 ranks" in stdout
+    assert "worst ratio" in stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["group"], r["bytes"]) for r in rows] == [
+        (k, n) for k in (2, 3) for n in (4, 256, 16384, 1 << 20)]
+    assert all(r["partial_us"] > 0 and r["mpi_us"] > 0 and r["ratio"] > 0 for r in rows)

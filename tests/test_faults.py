@@ -155,6 +155,37 @@ def test_partial_allreduce_retry_after_a_timeout_is_refused_not_mixed(tmp_path):
     assert "rank 0 pair: 3" in text and "rank 1 pair: 3" in text
 
 
+def test_partial_allreduce_small_round_names_the_late_rank_and_pairs_stay_in_step(tmp_path):
+    """The direct exchange (small tensors): a member that comes past the timeout is named
+    by the others, who refuse the group afterwards; every pair of its ranks still agrees
+    on its tags, so other groups of the same ranks work."""
+    code, text = job(tmp_path, """
+        from mpi4py import MPI
+        x = np.full(3, rank + 1.0)
+        if rank == 2:
+            time.sleep(3)                       # past the others' PYCOLL_TIMEOUT
+        for attempt in ("first", "retry"):
+            try:
+                pycoll.partial_allreduce(x, [0, 1, 2], op=pycoll.Sum)
+                print(f"rank {rank} {attempt}: ok", flush=True)
+            except (pycoll.CollectiveTimeout, pycoll.GroupBroken) as error:
+                print(f"rank {rank} {attempt}: {type(error).__name__}: {error}", flush=True)
+        MPI.COMM_WORLD.Barrier()                # the late rank's retry waits out its timeout
+        for pair in ([0, 1], [0, 2], [1, 2]):
+            if rank in pair:
+                y = pycoll.partial_allreduce(x, pair, op=pycoll.Sum)
+                print(f"rank {rank} pair {pair}: {y[0]:g}", flush=True)
+    """, PYCOLL_TIMEOUT="2", PYCOLL_CHECK="0")
+    assert code == 0, text
+    for r in (0, 1):
+        assert f"rank {r} first: CollectiveTimeout" in text, text
+        assert f"rank {r} waited for rank 2" in text, text
+        assert f"rank {r} retry: GroupBroken" in text, text
+    for pair in ([0, 1], [0, 2], [1, 2]):
+        for r in pair:
+            assert f"rank {r} pair {pair}: {sum(pair) + 2:g}" in text, text
+
+
 def test_send_recv_timeout_breaks_point_to_point_only(tmp_path):
     """torch send/recv: a receive that times out is cancelled and later ones raise
     GroupBroken (its message may still come); collectives on the group go on."""

@@ -124,11 +124,55 @@ def test_mismatched_members_raise_on_every_member(settings, pycoll_world, path, 
                                   2)                      # the pair is still usable
 
 
-def test_group_tags_are_distinct_per_group_and_round():
-    groups = subsets(6)
-    tags = {partial.group_tag(g, seq, 6, 2**31 - 1) for g in groups for seq in range(1, 50)}
-    assert len(tags) == len(groups) * 49
-    assert all(0 <= t < 2**31 for t in tags)
-    big = [(0, 19), (3, 15, 16), tuple(range(20))]          # bitmasks past a 15-bit tag range
-    tags = {partial.group_tag(g, seq, 20, 32767) for g in big for seq in (1, 2)}
-    assert len(tags) == 6 and all(0 <= t <= 32767 for t in tags)
+@pytest.mark.parametrize("direct_bytes", [0, 1 << 30], ids=["ring", "direct"])
+def test_both_paths_give_every_member_the_same_bits(settings, pycoll_world, direct_bytes):
+    """The ring (every size) and the direct exchange (every size): results close to numpy
+    and identical, bit for bit, on every member of a group; GPU memory staged."""
+    from mpi4py import MPI
+    settings(partial_direct_bytes=direct_bytes, partial_cache_after=0)
+    rank = pycoll.rank()
+    rng = np.random.default_rng(rank)
+    for ranks in subsets(pycoll.size()):
+        for n, dtype, op in [(1, "float64", "Average"), (1001, "float32", "Sum"),
+                             (3000, "float16", "Max"), (70_000, "int32", "Product")]:
+            x = (rng.standard_normal(n) * 10).astype(np_dtype(dtype))
+            y = pycoll.partial_allreduce(x, ranks, op=getattr(pycoll, op)) if rank in ranks else None
+            mine = x if y is None else y
+            xs, ys = zip(*MPI.COMM_WORLD.allgather((x, y)))
+            assert all(ys[r].tobytes() == ys[ranks[0]].tobytes() for r in ranks)
+            if y is not None:
+                want = {"Average": np.mean, "Sum": np.sum, "Max": np.max,
+                        "Product": np.prod}[op](np.stack([xs[r] for r in ranks]), 0)
+                tol = {"float16": 1e-3, "float32": 1e-5}.get(dtype, 1e-12)    # relative to
+                np.testing.assert_allclose(mine.astype(np.float64),           # |x| ~ 10 k
+                                           want.astype(np.float64), rtol=tol, atol=tol * 40)
+    copies = fakegpu.CountingStager()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pycoll.tensors, "stager", copies)
+        ranks = tuple(range(pycoll.size()))
+        x = make(rank_input("float32", (301,), rank, "Sum"), "float32", "fake_cuda")
+        y = pycoll.partial_allreduce(x, ranks, op=pycoll.Sum)
+        assert_matches(y, expected("float32", (301,), ranks, "Sum"), "float32")
+        assert (copies.calls > 0) == (len(ranks) > 1)
+
+
+def test_pair_tags_agree_and_never_repeat_between_two_ranks():
+    """3,000 random groups of 2-6 of 40 ranks, issued in one global order: both ends of
+    every pair compute the same tag for a round, and a pair's rounds never share a tag
+    (until the tag range wraps)."""
+    rng = np.random.default_rng(0)
+    for tag_ub, rounds in [(2**31 - 1, 3000), (3, 2000)]:
+        shared = {r: partial.Counter() for r in range(40)}
+        seen = {}                                   # (a, b) -> tags of their rounds, in order
+        for _ in range(rounds):
+            group = tuple(sorted(rng.choice(40, int(rng.integers(2, 7)), replace=False).tolist()))
+            tags = {me: partial.pair_tags(shared[me], group, me, tag_ub) for me in group}
+            for i, a in enumerate(group):
+                for j, b in enumerate(group):
+                    if a < b:
+                        assert tags[a][j] == tags[b][i]
+                        seen.setdefault((a, b), []).append(tags[a][j])
+        for pair, used in seen.items():
+            assert used == [n % (tag_ub + 1) for n in range(len(used))], pair
+            assert all(0 <= t <= tag_ub for t in used)
+        assert max(len(used) for used in seen.values()) > tag_ub + 1 or tag_ub > 2**30

@@ -1,0 +1,234 @@
+// The partial all-reduce's two algorithms (partial.h).
+//
+// Ring, for large messages: k-1 reduce-scatter steps then k-1 allgather steps; a step's
+// block is cut into chunks of chunk_bytes, all its receives are posted at once, and each
+// chunk is reduced and forwarded the moment it lands, so reducing one chunk overlaps the
+// transfer of the next. Each block is reduced once and then copied: every member ends
+// with the same bits.
+// Direct exchange, for small messages: every member sends its buffer to every other and
+// reduces the k buffers in member order (one latency instead of 2(k-1); the same bits
+// everywhere because every member combines in the same order).
+//
+// Waiting: MPI_Testany in a loop that never sleeps while messages flow. Where each rank
+// has a core it spins for Round::spin after the last progress (a peer on another core
+// answers within it: yielding at once costs tens of us on a machine shared with other
+// jobs), then yields the core between tries (at once where ranks share cores: the peer
+// may need this one); only a wait that has made no progress for STALL_S (a late peer, a
+// straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
+#include "partial.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <stdexcept>
+
+#include "kernels.h"
+#include "mpi_calls.h"
+
+namespace pycoll::partial {
+namespace {
+
+constexpr double STALL_S = 2e-3;
+constexpr size_t NONE = SIZE_MAX;
+
+double now() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// A failure that ends the round: Late (peer) or Failed (MPI's code).
+struct Stop {
+    Outcome::Status status;
+    int peer, error;
+};
+
+void check(int code) {
+    if (code) throw Stop{Outcome::Failed, -1, code};
+}
+
+// Waiting on peers: spins, then yields the core, then sleeps growing to 1 ms (see the
+// top); Late past the round's deadline.
+class Patience {
+  public:
+    Patience(double timeout, double spin) : deadline_(now() + timeout), spin_(spin), last_(now()) {}
+    void progressed() { last_ = now(), delay_ = 0; }
+    void idle(int peer) {
+        const double t = now();
+        if (t > deadline_) throw Stop{Outcome::Late, peer, 0};
+        if (t - last_ < spin_) return;
+        if (t - last_ < STALL_S) {
+            sched_yield();
+            return;
+        }
+        delay_ = std::min(std::max(2 * delay_, 1e-5), 1e-3);
+        const timespec ts{0, static_cast<long>(delay_ * 1e9)};
+        nanosleep(&ts, nullptr);
+    }
+
+  private:
+    double deadline_, spin_, last_, delay_ = 0;
+};
+
+class Exchange {
+  public:
+    explicit Exchange(const Round& r)
+        : r_(r), item_(itemsize(r.dt)), patience_(r.timeout, r.spin), sends_(r.request_null), recvs_(r.request_null) {}
+
+    Outcome run() {
+        Outcome out;
+        try {
+            if (r_.count * item_ <= r_.direct_bytes) direct();
+            else ring();
+        } catch (const Stop& stop) {
+            out.status = stop.status, out.peer = stop.peer, out.error = stop.error;
+            for (size_t i = 0; i < recvs_.size(); ++i)  // no late message may land in freed scratch
+                if (recvs_.active(i) && mpi::cancel(recvs_.at(i)) == 0) mpi::wait(recvs_.at(i));
+            for (size_t i = 0; i < sends_.size(); ++i)
+                if (sends_.active(i)) out.sends.push_back(sends_.get(i));
+        }
+        return out;
+    }
+
+  private:
+    char* at(size_t element) const { return static_cast<char*>(r_.data) + element * item_; }
+    int peer(size_t j) const { return r_.members[j]; }
+
+    size_t send(const void* buf, size_t nbytes, size_t j) {
+        const size_t i = sends_.add();
+        check(mpi::isend(buf, static_cast<int>(nbytes), r_.byte_type, peer(j), r_.tags[j], r_.comm, sends_.at(i)));
+        return i;
+    }
+
+    void post_recv(void* buf, size_t nbytes, size_t j) {
+        check(mpi::irecv(buf, static_cast<int>(nbytes), r_.byte_type, peer(j), r_.tags[j], r_.comm,
+                         recvs_.at(recvs_.add())));
+    }
+
+    // The index among the receives posted since `first` of one that completed (waiting on `j`).
+    size_t next_recv(size_t first, size_t j) {
+        while (true) {
+            int index, flag;
+            check(mpi::testany(static_cast<int>(recvs_.size() - first), recvs_.at(first), &index, &flag));
+            if (flag && index != r_.undefined) {
+                patience_.progressed();
+                return static_cast<size_t>(index);
+            }
+            patience_.idle(peer(j));
+        }
+    }
+
+    void wait_send(size_t i, size_t j) {
+        while (true) {
+            int flag;
+            check(mpi::test(sends_.at(i), &flag));
+            if (flag) return patience_.progressed();
+            patience_.idle(peer(j));
+        }
+    }
+
+    void finish(size_t j) {
+        for (size_t i = 0; i < sends_.size(); ++i) wait_send(i, j);
+    }
+
+    void direct() {
+        const size_t k = r_.members.size(), p = r_.me, nbytes = r_.count * item_;
+        if (!nbytes) return;
+        std::vector<char> scratch(nbytes * k);  // member j's buffer at j * nbytes (ours unused)
+        auto of = [&](size_t j) { return j == p ? static_cast<char*>(r_.data) : scratch.data() + j * nbytes; };
+        for (size_t j = 0; j < k; ++j)
+            if (j != p) post_recv(of(j), nbytes, j);
+        for (size_t j = 0; j < k; ++j)
+            if (j != p) send(r_.data, nbytes, j);
+        for (size_t left = recvs_.size(); left; --left) {
+            size_t waiting = 0;  // the first member not heard from, named if it never comes
+            for (size_t i = 0, j = 0; i < recvs_.size(); ++i, ++j) {
+                if (j == p) ++j;
+                if (recvs_.active(i)) {
+                    waiting = j;
+                    break;
+                }
+            }
+            next_recv(0, waiting);
+        }
+        for (size_t i = 0, j = 0; i < sends_.size(); ++i, ++j) {  // our buffer is read until they are done
+            if (j == p) ++j;
+            wait_send(i, j);
+        }
+        char* acc = of(0);  // x0 op x1 op ... in member order on every member
+        for (size_t j = 1; j < k; ++j) cpu::reduce(acc, of(j), r_.count, r_.dt, r_.op);
+        if (acc != r_.data) std::memcpy(r_.data, acc, nbytes);
+        if (r_.scale != 1.0) cpu::scale(r_.data, r_.count, r_.dt, r_.scale);
+    }
+
+    void ring() {
+        const size_t k = r_.members.size(), p = r_.me;
+        const size_t left = (p + k - 1) % k, right = (p + 1) % k;
+        const size_t step = std::max<size_t>(1, r_.chunk_bytes / item_);
+        std::vector<size_t> bounds(k + 1);
+        for (size_t b = 0; b <= k; ++b) bounds[b] = r_.count * b / k;
+        size_t largest = 0;
+        for (size_t b = 0; b < k; ++b) largest = std::max(largest, bounds[b + 1] - bounds[b]);
+        std::vector<char> scratch(largest * item_);  // a reduce-scatter step's chunks
+        auto chunks = [&](size_t b) { return (bounds[b + 1] - bounds[b] + step - 1) / step; };
+        auto lo = [&](size_t b, size_t c) { return bounds[b] + c * step; };
+        auto hi = [&](size_t b, size_t c) { return std::min(lo(b, c) + step, bounds[b + 1]); };
+        // The latest send of each chunk: a receive into that chunk waits for it first.
+        std::vector<std::vector<size_t>> sent(k);
+        for (size_t b = 0; b < k; ++b) sent[b].assign(chunks(b), NONE);
+        auto forward = [&](size_t b, size_t c) { sent[b][c] = send(at(lo(b, c)), (hi(b, c) - lo(b, c)) * item_, right); };
+
+        for (size_t c = 0; c < chunks(p); ++c) forward(p, c);
+        // Steps 0..k-2 reduce-scatter (receive block p-s-1 and reduce it in), then k-1
+        // allgather steps (receive block p-t into place). What a step receives is what the
+        // next step sends, so each chunk goes on the moment it is ready.
+        for (size_t s = 0; s < 2 * (k - 1); ++s) {
+            const bool reduce = s < k - 1;
+            const size_t b = reduce ? (2 * k + p - s - 1) % k : (2 * k + p - (s - (k - 1))) % k;
+            const size_t first = recvs_.size(), n = chunks(b);
+            for (size_t c = 0; c < n; ++c) {
+                const size_t nbytes = (hi(b, c) - lo(b, c)) * item_;
+                if (reduce) {
+                    post_recv(scratch.data() + (lo(b, c) - bounds[b]) * item_, nbytes, left);
+                } else {
+                    if (sent[b][c] != NONE) wait_send(sent[b][c], right);
+                    post_recv(at(lo(b, c)), nbytes, left);
+                }
+            }
+            for (size_t got = 0; got < n; ++got) {
+                const size_t c = next_recv(first, left);
+                if (reduce) {
+                    const size_t m = hi(b, c) - lo(b, c);
+                    cpu::reduce(at(lo(b, c)), scratch.data() + (lo(b, c) - bounds[b]) * item_, m, r_.dt, r_.op);
+                    if (s == k - 2 && r_.scale != 1.0) cpu::scale(at(lo(b, c)), m, r_.dt, r_.scale);  // complete here
+                }
+                if (s + 1 < 2 * (k - 1)) forward(b, c);
+            }
+        }
+        finish(right);
+    }
+
+    const Round& r_;
+    const size_t item_;
+    Patience patience_;
+    mpi::Requests sends_, recvs_;
+};
+
+}  // namespace
+
+Outcome allreduce(const Round& round) {
+    const size_t k = round.members.size();
+    if (round.me >= k || round.tags.size() != k)
+        throw std::invalid_argument("partial allreduce: one tag per member, and this rank among them");
+    if (round.chunk_bytes == 0 || round.chunk_bytes > INT32_MAX || round.direct_bytes > INT32_MAX)
+        throw std::invalid_argument("partial allreduce: chunk_bytes in [1, 2^31) and direct_bytes below 2^31");
+    if (k < 2 || round.count == 0) {
+        if (round.scale != 1.0) cpu::scale(round.data, round.count, round.dt, round.scale);
+        return {};
+    }
+    return Exchange(round).run();
+}
+
+}  // namespace pycoll::partial

@@ -25,6 +25,18 @@ def started():
     hvd.init()
 
 
+@pytest.fixture(autouse=True)
+def names_in_step():
+    """Unnamed operations are named by a per-process count, as in Horovod, so a test
+    whose ranks issue different numbers of operations (join, a name on one rank only)
+    would leave later unnamed names out of step (in Horovod too). After each test every
+    rank takes the highest count, so the next test starts as in a fresh job."""
+    yield
+    counts, key = hvd.api._handles._counts, hvd.global_process_set.process_set_id
+    top = hvd.allreduce(torch.tensor([counts.get(key, 0)]), op=hvd.Max, name="names.in.step")
+    counts[key] = int(top.item())
+
+
 def values(rank, n=6, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(1000 * seed + rank)
     return torch.randint(-5, 6, (n,), generator=g).to(dtype)

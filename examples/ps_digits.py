@@ -21,7 +21,7 @@ from digits import accuracy, load, mlp
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S or fluentps:S")
+    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S, fluentps:S or saps")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -29,15 +29,19 @@ def main():
     parser.add_argument("--eval-every", type=int, default=5, help="iterations (worker 0)")
     parser.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="emulated compute per step (a sleep inside pycoll.slowdown(), as "
+                             "a GPU would take for a bigger model): stragglers then show "
+                             "through this machine's noise")
     parser.add_argument("--json", help="worker 0 writes the accuracy curve and counters here")
     args = parser.parse_args()
 
-    ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
-    rank, size = pycoll.rank(), pycoll.size()
     torch.set_num_threads(1)                      # ranks share the cores
-    data = load()
+    data, model = load(), mlp(args.seed, args.hidden)   # first: --slowdown windows and
+    ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
+    initialized = time.perf_counter()                   # SaPS's flag times count from init
+    rank, size = pycoll.rank(), pycoll.size()
     x_train, y_train = data.x_train[rank::size], data.y_train[rank::size]
-    model = mlp(args.seed, args.hidden)
     worker = ps.TorchWorker(model)                # worker 0's initial values seed the servers
     loss_fn = torch.nn.CrossEntropyLoss()
     pycoll.barrier()
@@ -50,6 +54,7 @@ def main():
             model.zero_grad()
             with pycoll.slowdown():               # heterogeneity emulation (--slowdown)
                 loss_fn(model(x_train[batch]), y_train[batch]).backward()
+                time.sleep(args.step_ms / 1e3)
             worker.push()                         # gradients out, new parameters on their way
             step += 1
             if rank == 0 and step % args.eval_every == 0:
@@ -69,10 +74,12 @@ def main():
         print(f"final test accuracy {100 * final:.2f}% ({args.policy}, {size} workers, "
               f"{len(servers)} servers, {elapsed:.2f} s); delayed pulls "
               f"{sum(s['delayed_pulls'] for s in servers)}", flush=True)
+        print(ps.straggler_line(stats), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(policy=args.policy, workers=size, curve=curve, final=final,
-                               seconds=elapsed, servers=servers), f)
+                               seconds=elapsed, setup_s=start - initialized, servers=servers,
+                               stragglers=stats["stragglers"]), f)
 
 
 if __name__ == "__main__":

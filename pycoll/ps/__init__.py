@@ -1,4 +1,4 @@
-"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP and FluentPS.
+"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP, FluentPS and SaPS.
 
     import pycoll, pycoll.ps as ps
     ps.init(servers=2, policy="fluentps:3", optimizer=ps.SGD(lr=0.1, momentum=0.9))
@@ -40,9 +40,16 @@ Design
   again. FluentPS(s): the same bound, but a pull that must wait is buffered and
   answered the moment it may be (no polling); a worker L clocks ahead of the slowest is
   paused with probability (L/(s+1))^8, always past the bound, and released with room
-  (see ``policy.FluentPS``). R²SP and SaPS plug in as policies.
+  (see ``policy.FluentPS``). SaPS (``saps``): asynchronous, stale updates discounted and
+  dropped past a bound, stragglers flagged by a coordinator (see ``saps``). R²SP plugs
+  in as a policy.
+- Versions: a server's version counts the updates applied to its shard; pushes carry the
+  version they were computed on, so every update's staleness is known and counted.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
-  pulls, delay, bytes, clocks); ``init(stats=path)`` writes all of them as JSON at exit.
+  pulls, delay, bytes, clocks, applied staleness per worker, SaPS's), and the job's
+  stragglers (``counters()["stragglers"]``: staleness histograms, SaPS's flags with their
+  times, discounted and dropped updates; ``straggler_line`` says it in one line);
+  ``init(stats=path)`` writes all of them as JSON at exit.
 - Checkpoints (``checkpoints``): with ``checkpoint_dir``, servers save numbered
   generations (raw arrays and a JSON manifest with checksums, written durably; the last
   two kept) on ``checkpoint()`` (collective over workers), when worker 0 asks every
@@ -69,10 +76,11 @@ from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
 from .policy import ASP, BSP, FluentPS, Policy, SSP, make as make_policy
+from .saps import SaPS, stragglers as _stragglers, summary as _straggler_summary
 
 __all__ = ["init", "shutdown", "init_params", "push", "pull", "push_pull",
-           "checkpoint", "counters", "clock", "Policy", "BSP", "ASP", "SSP", "FluentPS",
-           "SGD", "TorchWorker"]
+           "checkpoint", "counters", "clock", "straggler_line", "Policy", "BSP", "ASP", "SSP",
+           "FluentPS", "SaPS", "SGD", "TorchWorker"]
 
 
 class _State:
@@ -98,7 +106,7 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     with ``exit_servers=False`` it returns the server's counters instead, so the program
     goes on there too (a benchmark that alternates the PS with raw MPI; the workers call
     ``shutdown()`` and ``init()`` again). Returns None on workers.
-    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S" or a Policy. ``optimizer``: an
+    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "saps[:KNOB=V,...]" or a Policy. ``optimizer``: an
     ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
     ``checkpoint_dir``: where servers save generations and resume from; with
     ``checkpoint_every`` > 0 worker 0 asks for one every that many seconds (at a push).
@@ -292,12 +300,21 @@ def checkpoint() -> None:
 
 
 def counters() -> dict:
-    """``{"worker": this worker's counters, "servers": [each server's]}``."""
+    """``{"worker": this worker's counters, "servers": [each server's], "stragglers": the
+    job's staleness histograms per worker and SaPS's flags, discounted and dropped}``."""
     client = _client()
     parts = client.control(wire.STATS)
     client.submit("pycoll.ps counters", parts).wait()
-    return dict(worker=dict(client.counters, clock=clock()),
-                servers=[json.loads(bytes(p.data).decode()) for p in parts])
+    servers = [json.loads(bytes(p.data).decode()) for p in parts]
+    return dict(worker=dict(client.counters, clock=clock()), servers=servers,
+                stragglers=_stragglers(servers))
+
+
+def straggler_line(stats: Optional[dict] = None) -> str:
+    """The straggler line of an end-of-run summary, from ``counters()`` (or ``stats``,
+    what it returned): SaPS's flags with their times, updates discounted and dropped,
+    and the applied staleness; under other policies the staleness alone."""
+    return _straggler_summary((stats or counters())["stragglers"])
 
 
 def clock() -> int:
@@ -324,7 +341,8 @@ def shutdown() -> None:
                     json.dumps(mine["worker"]).encode(), "shutdown (stats)")]
                 if _state.workers_comm.rank == 0:
                     with open(_state.stats_path, "w") as f:
-                        json.dump(dict(workers=everyone, servers=mine["servers"]), f, indent=1)
+                        json.dump(dict(workers=everyone, servers=mine["servers"],
+                                       stragglers=mine["stragglers"]), f, indent=1)
             client.submit("pycoll.ps shutdown", client.control(wire.DONE)).wait()
     finally:
         client.close()

@@ -11,7 +11,9 @@ pushes of one clock are summed and applied together when every worker has sent i
 push for that clock (BSP); otherwise every push is applied on arrival.
 
 New schemes plug in here: R²SP as a policy whose workers push in turn (``wait_for``
-gates pulls by turn), SaPS as one whose ``wait_for`` bounds the straggler's version gap.
+gates pulls by turn); SaPS (``saps``) through ``server_side``, what a server runs of a
+policy beyond ``wait_for``: the weight of each push by its staleness, and talk between
+the servers.
 """
 import math
 import random
@@ -52,6 +54,12 @@ class Policy:
         if math.isinf(self.staleness):
             return 0
         return sync.clocks[worker] - int(self.staleness)
+
+    def server_side(self, comm, index: int, workers: int):
+        """None, or what server ``index`` (of ``comm``, the servers) runs of the policy:
+        ``observe(worker, staleness) -> weight`` on each push (0 drops it), ``poll()``
+        between requests, ``close(timeout)`` at the end, ``stats() -> dict``."""
+        return None
 
     def __repr__(self) -> str:
         return self.name
@@ -130,14 +138,18 @@ class FluentPS(SSP):
 
 
 def make(policy) -> Policy:
-    """A Policy from itself or its name: "bsp", "asp", "ssp", "ssp:3", "fluentps:3"."""
+    """A Policy from itself or its name: "bsp", "asp", "ssp", "ssp:3", "fluentps:3",
+    "saps", "saps:bound=12,window=8"."""
     if isinstance(policy, Policy):
         return policy
     name, _, arg = str(policy).strip().lower().partition(":")
+    if name == "saps":
+        from .saps import SaPS
+        return SaPS.parse(arg)
     kinds = {"bsp": BSP, "asp": ASP, "ssp": SSP, "fluentps": FluentPS}
     if name not in kinds or (arg and name in ("bsp", "asp")):
         raise ValueError(f"unknown PS policy {policy!r}; use 'bsp', 'asp', 'ssp:S', "
-                         "'fluentps:S' or a pycoll.ps.Policy")
+                         "'fluentps:S', 'saps[:KNOB=V,...]' or a pycoll.ps.Policy")
     if not arg:
         return kinds[name]()
     try:

@@ -72,6 +72,11 @@ class Server:
         self.checkpoint_dir = checkpoint_dir
         self.job = dict(servers=servers_comm.size, workers=workers, policy=policy.name)
         self.sync = SyncState([0] * workers, active=[True] * workers, rng=random.Random(index))
+        # Versions: updates applied to this shard (BSP: rounds); every push's staleness
+        # against the version it was computed on goes in its worker's histogram.
+        self.version = 0
+        self.staleness: List[Dict[int, int]] = [{} for _ in range(workers)]
+        self.side = policy.server_side(servers_comm, index, workers)     # SaPS
         self.shards: Dict[str, Shard] = {}
         self.tables: Dict[bytes, List[Shard]] = {}   # key tables already checked
         self.rounds: Dict[int, Dict[str, list]] = {}  # BSP: clock -> key -> [sum, pushes]
@@ -100,6 +105,8 @@ class Server:
         status = MPI.Status()
         while any(self.sync.active):
             now = time.monotonic()
+            if self.side is not None:
+                self.side.poll()
             if now - self.last_housekeeping > HOUSEKEEPING_S:
                 self._housekeeping()
             message = self.comm.improbe(MPI.ANY_SOURCE, wire.REQUEST, status)
@@ -121,6 +128,8 @@ class Server:
                     self._save(self.generation)
                 except _ClientError as err:
                     log.error("pycoll.ps server %d: %s", self.index, err)
+        if self.side is not None:
+            self.side.close(self.timeout)
         self._drain()
         return self.stats_dict()
 
@@ -242,7 +251,13 @@ class Server:
         self.stats["pushes"] += 1
         self.changed = True
         self.sync.clocks[worker] += 1
-        scale = 1.0 / self.workers
+        staleness = max(0, self.version - call.req.arg)
+        weight = 1.0 if self.side is None else self.side.observe(worker, staleness)
+        if weight:
+            seen = self.staleness[worker]
+            seen[staleness] = seen.get(staleness, 0) + 1
+            self.version += not self.policy.rounds
+        scale = weight / self.workers
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
         if round_sums is not None:
@@ -250,6 +265,8 @@ class Server:
                 round_sums.setdefault(name, [None, 0])[1] += 1
         for segments, message in zip(messages, matched):
             piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
+            if not weight:                  # dropped: its payload is taken, not applied
+                continue
             offset = 0
             for index, lo, hi in segments:
                 shard, name = shards[index], keys[index]
@@ -265,7 +282,7 @@ class Server:
                     if entry[0] is None:
                         entry[0] = np.zeros_like(shard.params)
                     entry[0][start:start + len(values)] += values
-        if round_sums is None:
+        if round_sums is None and weight:
             self.stats["updates"] += len(shards)
         if answer:
             self._reply(call, wire.OK)
@@ -446,6 +463,7 @@ class Server:
         low = self.sync.min_clock
         while self.policy.rounds and self.applied_round < low and self.rounds:
             self.applied_round += 1
+            self.version += 1
             for name, (total, pushes) in self.rounds.pop(self.applied_round, {}).items():
                 if total is not None:
                     if pushes > 1:
@@ -488,7 +506,7 @@ class Server:
             data, data_tag = np.frombuffer(data, np.uint8), text_tag
         clock = self.sync.clocks[worker] if worker < self.workers else 0
         low = min(self.sync.min_clock, max(self.sync.clocks))
-        meta = wire.meta(status, clock, low, data.nbytes, laggard, request)
+        meta = wire.meta(status, clock, low, data.nbytes, laggard, request, self.version)
         requests = [self.comm.Isend(meta, worker, meta_tag)]
         if data.nbytes:
             requests.append(self.comm.Isend([data, data.nbytes, MPI.BYTE], worker, data_tag))
@@ -521,8 +539,13 @@ class Server:
 
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:
-        return dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
-                    cpu_s=time.process_time(), generation=self.generation)
+        out = dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
+                   cpu_s=time.process_time(), generation=self.generation, version=self.version,
+                   staleness={str(w): {str(k): n for k, n in sorted(h.items())}
+                              for w, h in enumerate(self.staleness)})
+        if self.side is not None:
+            out["saps"] = self.side.stats()
+        return out
 
     def _save_for(self, call: _Call, generation: int, cut: Optional[int] = None) -> None:
         """Save for a worker's request and answer it, with the error if the save failed."""

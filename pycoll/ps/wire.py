@@ -4,12 +4,13 @@ A request is one binary message on ``REQUEST``: a fixed header (``HEADER``: magi
 protocol version, op, tag slot, request id, an int and a float argument, key count,
 payload message count and bytes), then one ``ENTRY`` per key range (dtype code, name
 length, the key's element count, the range's first and end element), then the names
-in UTF-8. Nothing is pickled: a server parses it with ``parse`` and checks every field
+in UTF-8. A push's int argument is the version (of that server's shard) of the parameters
+its gradient was computed on, so the server knows its staleness. Nothing is pickled: a server parses it with ``parse`` and checks every field
 before it touches parameters. INIT, PUSH and PUSH_PULL are followed by their payload
 (the server's ranges of the keys, back to back in key order) in the ``pieces`` both
 sides compute from the key sizes, on the slot's payload tag. Every request is answered
 on its slot's tags: a ``META`` int64 vector (status, clocks, bytes, the request id it
-answers), then, if ``META[NBYTES]`` > 0, one raw message of that many bytes: parameters
+answers, the server's version: the updates applied to its shard), then, if ``META[NBYTES]`` > 0, one raw message of that many bytes: parameters
 on the data tag (the worker posts that receive with the request, straight into the
 pull's tensors), statistics as JSON or an error text on the text tag. A request too
 broken to name its slot is answered with a text on ``BAD``.
@@ -25,7 +26,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-MAGIC, VERSION = b"PCPS", 1
+MAGIC, VERSION = b"PCPS", 2
 REQUEST, BAD = 1, 2
 TAG_BASE, TAGS_PER_SLOT = 16, 4
 INIT, PUSH, PULL, PUSH_PULL, STATS, CHECKPOINT, DONE = range(1, 8)
@@ -33,8 +34,8 @@ OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull",
             STATS: "stats", CHECKPOINT: "checkpoint", DONE: "done"}
 WITH_PAYLOAD = (INIT, PUSH, PUSH_PULL)
 OK, RETRY, ERROR = 0, 1, 2
-STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID = range(6)
-META_LEN = 6
+STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID, SHARD_VERSION = range(7)
+META_LEN = 7
 # magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes
 HEADER = struct.Struct("<4sHHIQqdIIQ")
 ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo", "<i8"),
@@ -184,8 +185,9 @@ class Slots:
         self.lost += 1
 
 
-def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0) -> np.ndarray:
-    return np.array([status, clock, min_clock, nbytes, laggard, request], np.int64)
+def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0,
+         version=0) -> np.ndarray:
+    return np.array([status, clock, min_clock, nbytes, laggard, request, version], np.int64)
 
 
 def nap(quiet_s: float, shortest: float, longest: float) -> None:

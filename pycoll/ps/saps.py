@@ -226,6 +226,9 @@ class Coordination:
                     else:
                         self.flagged = [bool(f) for f in data]
                 time.sleep(1e-4)
+            if any(r < o for r, o in zip(self.received, owed)):
+                log.warning("pycoll.ps server %d: SaPS messages of other servers did not come "
+                            "within %g s; the counters miss them", self.index, timeout)
         if wait_requests([r for r, _ in self.sends], timeout, None):
             log.warning("pycoll.ps server %d: SaPS messages to other servers were not taken",
                         self.index)

@@ -100,6 +100,11 @@ def summarize(setting: str, policy: str, runs: list, slowed, target: float) -> d
         dropped=median(sum(v.get("dropped", [0])) for v in view))
 
 
+def flag_text(flag: dict) -> str:
+    end = "end" if flag["unflagged"] is None else f"{flag['unflagged']:.2f}"
+    return f"w{flag['worker']} {flag['flagged']:.2f}-{end}"
+
+
 def slowed_workers(spec: str) -> set:
     return {int(item.split(":")[0]) for item in spec.split(",") if item.strip()}
 
@@ -147,9 +152,7 @@ def main():
             saps = ""
             if r["policy"].startswith("saps"):
                 saps = (f"discounted {r['discounted']:.0f}, dropped {r['dropped']:.0f}; flags "
-                        + (", ".join(f"w{f['worker']} {f['flagged']:.2f}-"
-                                     + ("end" if f["unflagged"] is None else f"{f['unflagged']:.2f}")
-                                     for f in r["flags"]) or "none"))
+                        + (", ".join(flag_text(f) for f in r["flags"]) or "none"))
             print(f"{r['policy']:<12} {r['time_to_target_s']:9.2f} {r['final_accuracy']:9.2%} "
                   f"{r['seconds']:8.2f} {r['delayed_pulls']:8.0f} "
                   f"{r['staleness_median']:>8}/{r['staleness_p99']}/{r['staleness_max']:<6} "
@@ -168,15 +171,16 @@ def verdict(rows, target) -> None:
     if saps is None:
         return
     fastest = min(rows, key=lambda r: r["time_to_target_s"])
-    print(f"SaPS: time to {target:.0%} x{saps['time_to_target_s'] / fastest['time_to_target_s']:.2f} "
-          f"the fastest ({fastest['policy']})", end="")
+    ratio = saps["time_to_target_s"] / fastest["time_to_target_s"]
+    print(f"SaPS: time to {target:.0%} x{ratio:.2f} the fastest ({fastest['policy']})", end="")
     ssp, fluent = by.get("ssp:3"), by.get("fluentps:3")
     if ssp:
         print(f"; final accuracy {saps['final_accuracy']:.2%} vs SSP(3)'s "
               f"{ssp['final_accuracy']:.2%}", end="")
     print()
     if ssp and fluent:
-        print(f"FluentPS vs SSP: delayed pulls x{fluent['delayed_pulls'] / max(1, ssp['delayed_pulls']):.2f}, "
+        fewer = fluent["delayed_pulls"] / max(1, ssp["delayed_pulls"])
+        print(f"FluentPS vs SSP: delayed pulls x{fewer:.2f}, "
               f"time to {target:.0%} x{fluent['time_to_target_s'] / ssp['time_to_target_s']:.2f}")
 
 
@@ -188,7 +192,8 @@ def plot(results, chosen, args) -> None:
     for ax, (name, by_policy) in zip(axes[0], results.items()):
         for policy, runs in by_policy.items():
             t, acc = zip(*runs[0]["curve"])
-            ax.plot(t, [100 * a for a in acc], label=policy, lw=2 if policy.startswith("saps") else 1)
+            ax.plot(t, [100 * a for a in acc], label=policy,
+                    lw=2 if policy.startswith("saps") else 1)
         ax.axhline(100 * args.target, color="grey", lw=0.8, ls="--")
         ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy (%)", ylim=(0, 100),
                title=f"({name}) {chosen[name][0]}")

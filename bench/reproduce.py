@@ -188,11 +188,10 @@ def _saps_summary(runs):
         stale = [r["staleness"] for r in reps]
         rows.append([point, _spread([time_to(r["curve"]) for r in reps]),
                      _spread([r["final"] * 100 for r in reps], "{:.1f}"),
-                     "/".join(str(_median([s[k] for s in stale])) for k in ("median", "p99", "max")),
+                     "/".join(str(_median([s[k] for s in stale]))
+                              for k in ("median", "p99", "max")),
                      _median([s["slowed_p90"] for s in stale]),
-                     ", ".join(f"w{f['worker']} {f['flagged']:.1f}-"
-                               + ("end" if f["unflagged"] is None else f"{f['unflagged']:.1f}")
-                               for f in reps[0]["flags"]) or "-",
+                     ", ".join(ps_training.flag_text(f) for f in reps[0]["flags"]) or "-",
                      _median([r["dropped"] for r in reps])])
     for setting in sorted({p.rsplit(" ", 1)[1] for p in runs}):
         here = {p.rsplit(" ", 1)[0]: reps for p, reps in runs.items() if p.endswith(setting)}

@@ -37,9 +37,10 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(1)                      # ranks share the cores
-    data, model = load(), mlp(args.seed, args.hidden)   # first: --slowdown windows and
+    # Set up before init: --slowdown windows and SaPS's flag times count from init.
+    data, model = load(), mlp(args.seed, args.hidden)
     ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
-    initialized = time.perf_counter()                   # SaPS's flag times count from init
+    initialized = time.perf_counter()
     rank, size = pycoll.rank(), pycoll.size()
     x_train, y_train = data.x_train[rank::size], data.y_train[rank::size]
     worker = ps.TorchWorker(model)                # worker 0's initial values seed the servers

@@ -113,9 +113,10 @@ def test_applied_staleness_never_exceeds_the_bound_and_no_pull_waits():
 
 
 def test_slowed_worker_is_flagged_then_unflagged_and_equal_workers_never():
-    # 3 workers: worker 2 slowed 6x from 0.3 s to 1.2 s after init; 15 ms steps.
-    out = job(5, 2, "straggler", "saps", "15", "120", flags=["--slowdown", "2:6@0.3-1.2"])
+    # 3 workers: worker 2 slowed 10x from 0.3 s to 2 s after init; 20 ms steps (and the
+    # machine's overhead, which a loaded machine makes several times larger).
+    out = job(5, 2, "straggler", "saps", "20", "100", flags=["--slowdown", "2:10@0.3-2"])
     flags = out["stragglers"]["flags"]
     assert [f["worker"] for f in flags] == [2], out           # equal workers: never
-    assert flags[0]["flagged_s"] > 0.3 and flags[0]["unflagged_s"] > 1.2, out
+    assert flags[0]["flagged_s"] > 0.3 and flags[0]["unflagged_s"] > 2, out
     assert "worker 2 flagged at" in out["line"] and "unflagged at" in out["line"]

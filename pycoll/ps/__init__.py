@@ -106,8 +106,9 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     with ``exit_servers=False`` it returns the server's counters instead, so the program
     goes on there too (a benchmark that alternates the PS with raw MPI; the workers call
     ``shutdown()`` and ``init()`` again). Returns None on workers.
-    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "saps[:KNOB=V,...]" or a Policy. ``optimizer``: an
-    ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
+    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "saps[:KNOB=V,...]" or a Policy.
+    ``optimizer``: an ``SGD`` the servers run on pushed gradients, or None (servers add
+    pushed steps).
     ``checkpoint_dir``: where servers save generations and resume from; with
     ``checkpoint_every`` > 0 worker 0 asks for one every that many seconds (at a push).
     ``tag_ub``: the largest MPI tag workers use (default the communicator's

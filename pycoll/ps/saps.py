@@ -97,7 +97,8 @@ class SaPS(Policy):
 
     def __repr__(self) -> str:
         knobs = [f"bound={self.bound}"] if self.bound is not None else []
-        return f"saps({', '.join(knobs + [f'threshold={self.threshold:g}', f'window={self.window}'])})"
+        knobs += [f"threshold={self.threshold:g}", f"window={self.window}"]
+        return f"saps({', '.join(knobs)})"
 
     @classmethod
     def parse(cls, text: str) -> "SaPS":

@@ -4,13 +4,12 @@ A request is one binary message on ``REQUEST``: a fixed header (``HEADER``: magi
 protocol version, op, tag slot, request id, an int and a float argument, key count,
 payload message count and bytes), then one ``ENTRY`` per key range (dtype code, name
 length, the key's element count, the range's first and end element), then the names
-in UTF-8. A push's int argument is the version (of that server's shard) of the parameters
-its gradient was computed on, so the server knows its staleness. Nothing is pickled: a server parses it with ``parse`` and checks every field
+in UTF-8. Nothing is pickled: a server parses it with ``parse`` and checks every field
 before it touches parameters. INIT, PUSH and PUSH_PULL are followed by their payload
 (the server's ranges of the keys, back to back in key order) in the ``pieces`` both
 sides compute from the key sizes, on the slot's payload tag. Every request is answered
 on its slot's tags: a ``META`` int64 vector (status, clocks, bytes, the request id it
-answers, the server's version: the updates applied to its shard), then, if ``META[NBYTES]`` > 0, one raw message of that many bytes: parameters
+answers), then, if ``META[NBYTES]`` > 0, one raw message of that many bytes: parameters
 on the data tag (the worker posts that receive with the request, straight into the
 pull's tensors), statistics as JSON or an error text on the text tag. A request too
 broken to name its slot is answered with a text on ``BAD``.
@@ -18,6 +17,11 @@ broken to name its slot is answered with a text on ``BAD``.
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
 each request a free one, so tags never pass the communicator's ``MPI.TAG_UB`` however
 many requests a job makes; a slot is reused only once its request is complete.
+
+Versions: a push's int argument is the version (of that server's shard) of the
+parameters its gradient was computed on, and ``META[SHARD_VERSION]`` of every answer is
+the server's version (the updates applied to its shard), so a server knows the
+staleness of every update.
 """
 import collections
 import struct

@@ -47,12 +47,13 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from . import wire
 from .policy import Policy
 
 log = logging.getLogger("pycoll.ps")
 OBSERVATIONS, FLAGS = 11, 12     # tags on the servers' own communicator (wire.EXCHANGE is 1)
 FLUSH_S = 0.005                  # a server sends its observations at least this often
-FLUSH_COUNT = 64                 # ... or once it has this many
+FLUSH_COUNT = 64                 # ... or once it has this many observations
 
 
 class SaPS(Policy):
@@ -152,7 +153,7 @@ class Coordination:
     coordinator on server 0 (which runs the ``Detector`` and sends back the flags)."""
 
     def __init__(self, policy: SaPS, comm, index: int, workers: int):
-        from mpi4py import MPI
+        from mpi4py import MPI        # here: benchmarks import this module without MPI
         self.MPI = MPI
         self.policy, self.comm, self.index, self.workers = policy, comm, index, workers
         self.start = time.monotonic()
@@ -208,7 +209,6 @@ class Coordination:
     def close(self, timeout: float) -> None:
         """At the end of the run (every server calls it): the coordinator takes every
         observation still on its way, the others every flag, and all sends complete."""
-        from . import wire
         from ..work import wait_requests
         if self.outbox:
             self._send(np.array(self.outbox, np.int64), 0, OBSERVATIONS)

@@ -58,6 +58,7 @@ bench: install
 	for n in 2 4; do $(RUN) -np $$n python bench/torch_training.py --json bench/results/torch-training-np$$n.json || exit 1; done
 	$(RUN) -np 3 --servers 2 python bench/ps_throughput.py --json bench/results/ps-throughput.json
 	$(PY) bench/ps_training.py --out bench/results
+	$(PY) bench/ps_stragglers.py --out bench/results
 	$(PY) bench/ripples_training.py --out bench/results/ripples-training
 	$(PY) bench/overlap.py --out bench/results
 	$(PY) bench/emulation.py --json bench/results/emulation.json --plot bench/results/emulation.png

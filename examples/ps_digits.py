@@ -4,6 +4,8 @@
     pycollrun -np 6 --servers 2 --slowdown 3:3 python examples/ps_digits.py --policy ssp:3
     pycollrun -np 5 --servers 1 --link 100us,100MB/s --slowdown 3:2 \\
         python examples/ps_digits.py --policy r2sp --compute-ms 0.3
+    pycollrun -np 6 --servers 2 --slowdown 3:3 python examples/ps_digits.py --policy saps \
+        --step-ms 20
 
 The last ``--servers`` ranks hold the parameters and run SGD with momentum on the
 gradients workers push; each worker trains on its own share of the training set,
@@ -13,7 +15,8 @@ Under R²SP workers push in turn and each batch is as large as the worker's spee
 allows (``pycoll.ps.AdaptiveBatchSampler``). Every worker runs the same number of
 iterations, ``--epochs`` passes over its share at the first batch size (with batch sizes
 that follow speed, iterations take the same time, so the workers finish together). ``--compute-ms`` adds that much emulated
-accelerator time per sample (a sleep, which ``--slowdown`` stretches too).
+accelerator time per sample and ``--step-ms`` per step (sleeps, which ``--slowdown``
+stretches too). The end-of-run summary has a straggler line (SaPS's flags, staleness).
 """
 import argparse
 import itertools
@@ -32,7 +35,7 @@ from digits import accuracy, load, mlp
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S, fluentps:S or r2sp")
+    parser.add_argument("--policy", default="bsp", help="bsp, asp, ssp:S, fluentps:S, r2sp or saps")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16, help="per worker (at first)")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -41,16 +44,21 @@ def main():
     parser.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
     parser.add_argument("--compute-ms", type=float, default=0.0,
                         help="emulated compute per sample (ms), slept inside pycoll.slowdown()")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="emulated compute per step (a sleep inside pycoll.slowdown(), as "
+                             "a GPU would take for a bigger model): stragglers then show "
+                             "through this machine's noise")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="worker 0 writes the accuracy curve and counters here")
     args = parser.parse_args()
 
-    ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
-    rank, size = pycoll.rank(), pycoll.size()
     torch.set_num_threads(1)                      # ranks share the cores
-    data = load()
+    # Set up before init: --slowdown windows and SaPS's flag times count from init.
+    data, model = load(), mlp(args.seed, args.hidden)
+    ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
+    initialized = time.perf_counter()
+    rank, size = pycoll.rank(), pycoll.size()
     train = torch.utils.data.TensorDataset(data.x_train[rank::size], data.y_train[rank::size])
-    model = mlp(args.seed, args.hidden)
     worker = ps.TorchWorker(model, batch_size=args.batch_size)   # worker 0 seeds the servers
     loss_fn = torch.nn.CrossEntropyLoss()
     def batches():                                # reshuffled passes over this worker's share
@@ -68,7 +76,7 @@ def main():
         model.zero_grad()
         with pycoll.slowdown():                   # heterogeneity emulation (--slowdown)
             loss_fn(model(x), y).backward()
-            time.sleep(args.compute_ms * 1e-3 * len(y))
+            time.sleep(args.compute_ms * 1e-3 * len(y) + args.step_ms * 1e-3)
         worker.push(len(y))                       # gradients out, new parameters on their way
         iterations.append((time.perf_counter() - began, len(y)))
         if rank == 0 and step % args.eval_every == 0:
@@ -96,10 +104,12 @@ def main():
               f"{statistics.mean(s['pushes_in_flight_mean'] for s in servers):.2f}", flush=True)
         print("per worker, second half: iteration " + ", ".join(
             f"{1e3 * t:.1f} ms (batch {n:.0f})" for t, n in everyone), flush=True)
+        print(ps.straggler_line(stats), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(policy=args.policy, workers=size, curve=curve, final=final,
-                               seconds=elapsed, servers=servers,
+                               seconds=elapsed, setup_s=start - initialized, servers=servers,
+                               stragglers=stats["stragglers"],
                                iteration_s=[t for t, _ in everyone],
                                batch=[n for _, n in everyone]), f)
 

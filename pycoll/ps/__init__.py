@@ -1,4 +1,4 @@
-"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP, FluentPS and R²SP.
+"""pycoll.ps: a sharded parameter server with BSP, ASP, SSP, FluentPS, R²SP and SaPS.
 
     import pycoll, pycoll.ps as ps
     ps.init(servers=2, policy="fluentps:3", optimizer=ps.SGD(lr=0.1, momentum=0.9))
@@ -42,9 +42,16 @@ Design
   paused with probability (L/(s+1))^8, always past the bound, and released with room
   (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin spaced by
   the measured period, released by a coordinator on server 0 (``turn``), with batch
-  sizes split by speed and pushes weighted by samples. SaPS plugs in as a policy.
+  sizes split by speed and pushes weighted by samples. SaPS (``saps``): asynchronous,
+  stale updates discounted and dropped past a bound, stragglers flagged by a coordinator
+  (see ``saps``).
+- Versions: a server's version counts the updates applied to its shard; pushes carry the
+  version they were computed on, so every update's staleness is known and counted.
 - Counters: per worker (``counters()["worker"]``) and per server (pushes, pulls, delayed
-  pulls, delay, bytes, clocks, ``waited_for``: worker -> seconds pulls waited for it);
+  pulls, delay, bytes, clocks, applied staleness per worker, SaPS's, ``waited_for``:
+  worker -> seconds pulls waited for it), and the job's stragglers
+  (``counters()["stragglers"]``: staleness histograms, SaPS's flags with their times,
+  discounted and dropped updates; ``straggler_line`` says it in one line);
   ``init(stats=path)`` writes all of them as JSON at exit; with ``--report`` every
   worker hands them to ``pycoll.timeline`` at shutdown (``waited_for`` maps there name
   the stragglers).
@@ -75,10 +82,11 @@ from .layout import mismatch, plan
 from .optim import SGD
 from .policy import ASP, BSP, FluentPS, Policy, SSP, make as make_policy
 from .r2sp import R2SP, AdaptiveBatchSampler
+from .saps import SaPS, stragglers as _stragglers, summary as _straggler_summary
 
 __all__ = ["init", "shutdown", "init_params", "push", "pull", "push_pull", "turn",
-           "checkpoint", "counters", "clock", "Policy", "BSP", "ASP", "SSP", "FluentPS",
-           "R2SP", "AdaptiveBatchSampler", "SGD", "TorchWorker"]
+           "checkpoint", "counters", "clock", "straggler_line", "Policy", "BSP", "ASP", "SSP",
+           "FluentPS", "R2SP", "AdaptiveBatchSampler", "SaPS", "SGD", "TorchWorker"]
 
 
 class _State:
@@ -105,8 +113,9 @@ def init(servers: Optional[int] = None, policy="bsp", optimizer: Optional[SGD] =
     with ``exit_servers=False`` it returns the server's counters instead, so the program
     goes on there too (a benchmark that alternates the PS with raw MPI; the workers call
     ``shutdown()`` and ``init()`` again). Returns None on workers.
-    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "r2sp[:knob=value,...]" or a Policy. ``optimizer``: an
-    ``SGD`` the servers run on pushed gradients, or None (servers add pushed steps).
+    ``policy``: "bsp", "asp", "ssp:S", "fluentps:S", "r2sp[:knob=value,...]",
+    "saps[:KNOB=V,...]" or a Policy. ``optimizer``: an ``SGD`` the servers run on pushed
+    gradients, or None (servers add pushed steps).
     ``checkpoint_dir``: where servers save generations and resume from; with
     ``checkpoint_every`` > 0 worker 0 asks for one every that many seconds (at a push).
     ``tag_ub``: the largest MPI tag workers use (default the communicator's
@@ -353,12 +362,21 @@ def checkpoint() -> None:
 
 
 def counters() -> dict:
-    """``{"worker": this worker's counters, "servers": [each server's]}``."""
+    """``{"worker": this worker's counters, "servers": [each server's], "stragglers": the
+    job's staleness histograms per worker and SaPS's flags, discounted and dropped}``."""
     client = _client()
     parts = client.control(wire.STATS)
     client.submit("pycoll.ps counters", parts).wait()
-    return dict(worker=dict(client.counters, clock=clock()),
-                servers=[json.loads(bytes(p.data).decode()) for p in parts])
+    servers = [json.loads(bytes(p.data).decode()) for p in parts]
+    return dict(worker=dict(client.counters, clock=clock()), servers=servers,
+                stragglers=_stragglers(servers))
+
+
+def straggler_line(stats: Optional[dict] = None) -> str:
+    """The straggler line of an end-of-run summary, from ``counters()`` (or ``stats``,
+    what it returned): SaPS's flags with their times, updates discounted and dropped,
+    and the applied staleness; under other policies the staleness alone."""
+    return _straggler_summary((stats or counters())["stragglers"])
 
 
 def clock() -> int:
@@ -387,7 +405,8 @@ def shutdown() -> None:
                     json.dumps(mine["worker"]).encode(), "shutdown (stats)")]
                 if _state.workers_comm.rank == 0:
                     with open(_state.stats_path, "w") as f:
-                        json.dump(dict(workers=everyone, servers=mine["servers"]), f, indent=1)
+                        json.dump(dict(workers=everyone, servers=mine["servers"],
+                                       stragglers=mine["stragglers"]), f, indent=1)
             client.submit("pycoll.ps shutdown", client.control(wire.DONE)).wait()
     finally:
         client.close()

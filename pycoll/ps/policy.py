@@ -12,7 +12,9 @@ push for that clock (BSP); otherwise every push is applied on arrival.
 
 A policy whose workers take ``turns`` (R²SP, ``r2sp.py``) gives server 0 a
 ``coordinator``: the server hands it the workers' turn requests (``wire.TURN``) and
-answers each when the coordinator releases it.
+answers each when the coordinator releases it. SaPS (``saps``) plugs in through
+``server_side``, what a server runs of a policy beyond ``wait_for``: the weight of each
+push by its staleness, and talk between the servers.
 """
 import math
 import random
@@ -63,6 +65,12 @@ class Policy:
         """Why a pull that needs min clock ``need`` waits (the timeline's label):
         "staleness" (the bound), else "policy" (the policy's own rule)."""
         return "staleness" if need <= sync.clocks[worker] - self.staleness else "policy"
+
+    def server_side(self, comm, index: int, workers: int):
+        """None, or what server ``index`` (of ``comm``, the servers) runs of the policy:
+        ``observe(worker, staleness) -> weight`` on each push (0 drops it), ``poll()``
+        between requests, ``close(timeout)`` at the end, ``stats() -> dict``."""
+        return None
 
     def __repr__(self) -> str:
         return self.name
@@ -142,17 +150,21 @@ class FluentPS(SSP):
 
 def make(policy) -> Policy:
     """A Policy from itself or its name: "bsp", "asp", "ssp", "ssp:3", "fluentps:3",
-    "r2sp", "r2sp:patience=2"."""
+    "r2sp", "r2sp:patience=2", "saps", "saps:bound=12,window=8"."""
     if isinstance(policy, Policy):
         return policy
     name, _, arg = str(policy).strip().lower().partition(":")
     if name == "r2sp":
         from .r2sp import R2SP
         return R2SP.parse(arg)
+    if name == "saps":
+        from .saps import SaPS
+        return SaPS.parse(arg)
     kinds = {"bsp": BSP, "asp": ASP, "ssp": SSP, "fluentps": FluentPS}
     if name not in kinds or (arg and name in ("bsp", "asp")):
         raise ValueError(f"unknown PS policy {policy!r}; use 'bsp', 'asp', 'ssp:S', "
-                         "'fluentps:S', 'r2sp[:knob=value,...]' or a pycoll.ps.Policy")
+                         "'fluentps:S', 'r2sp[:knob=value,...]', 'saps[:KNOB=V,...]' or a "
+                         "pycoll.ps.Policy")
     if not arg:
         return kinds[name]()
     try:

@@ -76,6 +76,11 @@ class Server:
         self.checkpoint_dir = checkpoint_dir
         self.job = dict(servers=servers_comm.size, workers=workers, policy=policy.name)
         self.sync = SyncState([0] * workers, active=[True] * workers, rng=random.Random(index))
+        # Versions: updates applied to this shard (BSP: rounds); every push's staleness
+        # against the version it was computed on goes in its worker's histogram.
+        self.version = 0
+        self.staleness: List[Dict[int, int]] = [{} for _ in range(workers)]
+        self.side = policy.server_side(servers_comm, index, workers)     # SaPS
         self.shards: Dict[str, Shard] = {}
         self.tables: Dict[bytes, List[Shard]] = {}   # key tables already checked
         self.rounds: Dict[int, Dict[str, list]] = {}  # BSP: clock -> key -> [sum, pushes]
@@ -108,6 +113,8 @@ class Server:
         status = MPI.Status()
         while any(self.sync.active):
             now = time.monotonic()
+            if self.side is not None:
+                self.side.poll()
             if now - self.last_housekeeping > HOUSEKEEPING_S:
                 self._housekeeping()
             if self.turns:
@@ -131,6 +138,8 @@ class Server:
                     self._save(self.generation)
                 except _ClientError as err:
                     log.error("pycoll.ps server %d: %s", self.index, err)
+        if self.side is not None:
+            self.side.close(self.timeout)
         self._drain()
         return self.stats_dict()
 
@@ -260,7 +269,13 @@ class Server:
         self.stats["pushes"] += 1
         self.changed = True
         self.sync.clocks[worker] += 1
-        weight = call.req.value                      # 1 for a plain push (wire)
+        staleness = max(0, self.version - call.req.arg)
+        discount = 1.0 if self.side is None else self.side.observe(worker, staleness)
+        if discount:
+            seen = self.staleness[worker]
+            seen[staleness] = seen.get(staleness, 0) + 1
+            self.version += not self.policy.rounds
+        weight = call.req.value * discount           # value: 1 for a plain push (wire)
         scale = weight / self.workers
         round_sums = self.rounds.setdefault(self.sync.clocks[worker], {}) \
             if self.policy.rounds else None
@@ -269,6 +284,8 @@ class Server:
                 round_sums.setdefault(name, [None, 0])[1] += 1
         for segments, message in zip(messages, matched):
             piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
+            if not weight:                  # dropped: its payload is taken, not applied
+                continue
             offset = 0
             for index, lo, hi in segments:
                 shard, name = shards[index], keys[index]
@@ -286,7 +303,7 @@ class Server:
                     if entry[0] is None:
                         entry[0] = np.zeros_like(shard.params)
                     entry[0][start:start + len(values)] += values
-        if round_sums is None:
+        if round_sums is None and weight:
             self.stats["updates"] += len(shards)
         self.traffic.pushed(worker, call.req.sent, time.monotonic())
         if answer:
@@ -507,6 +524,7 @@ class Server:
         low = self.sync.min_clock
         while self.policy.rounds and self.applied_round < low and self.rounds:
             self.applied_round += 1
+            self.version += 1
             for name, (total, pushes) in self.rounds.pop(self.applied_round, {}).items():
                 if total is not None:
                     if pushes > 1:
@@ -556,7 +574,7 @@ class Server:
             data, data_tag = np.frombuffer(data, np.uint8), text_tag
         clock = self.sync.clocks[worker] if worker < self.workers else 0
         low = min(self.sync.min_clock, max(self.sync.clocks))
-        meta = wire.meta(status, clock, low, data.nbytes, laggard, request)
+        meta = wire.meta(status, clock, low, data.nbytes, laggard, request, self.version)
         requests = [self.comm.Isend(meta, worker, meta_tag)]
         if data.nbytes:
             requests.append(self.comm.Isend([data, data.nbytes, MPI.BYTE], worker, data_tag))
@@ -590,8 +608,12 @@ class Server:
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:
         extra = {} if self.coordinator is None else {self.policy.name: self.coordinator.stats()}
+        if self.side is not None:
+            extra["saps"] = self.side.stats()
         return dict(self.stats, clocks=list(self.sync.clocks), min_clock=min(self.sync.clocks),
-                    cpu_s=time.process_time(), generation=self.generation,
+                    cpu_s=time.process_time(), generation=self.generation, version=self.version,
+                    staleness={str(w): {str(k): n for k, n in sorted(h.items())}
+                               for w, h in enumerate(self.staleness)},
                     **self.traffic.stats(), **extra)
 
     def _save_for(self, call: _Call, generation: int, cut: Optional[int] = None) -> None:

@@ -24,6 +24,11 @@ that push and the worker's next batch size (``r2sp``).
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
 each request a free one, so tags never pass the communicator's ``MPI.TAG_UB`` however
 many requests a job makes; a slot is reused only once its request is complete.
+
+Versions: a push's int argument is the version (of that server's shard) of the
+parameters its gradient was computed on, and ``META[SHARD_VERSION]`` of every answer is
+the server's version (the updates applied to its shard), so a server knows the
+staleness of every update.
 """
 import collections
 import math
@@ -41,8 +46,8 @@ OP_NAMES = {INIT: "init", PUSH: "push", PULL: "pull", PUSH_PULL: "push_pull",
             STATS: "stats", CHECKPOINT: "checkpoint", DONE: "done", TURN: "turn"}
 WITH_PAYLOAD = (INIT, PUSH, PUSH_PULL)
 OK, RETRY, ERROR = 0, 1, 2
-STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID = range(6)
-META_LEN = 6
+STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID, SHARD_VERSION = range(7)
+META_LEN = 7
 # magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes,
 # value (float), sent (the worker's time.monotonic())
 HEADER = struct.Struct("<4sHHIQqdIIQdd")
@@ -200,8 +205,9 @@ class Slots:
         self.lost += 1
 
 
-def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0) -> np.ndarray:
-    return np.array([status, clock, min_clock, nbytes, laggard, request], np.int64)
+def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0,
+         version=0) -> np.ndarray:
+    return np.array([status, clock, min_clock, nbytes, laggard, request, version], np.int64)
 
 
 def nap(quiet_s: float, shortest: float, longest: float) -> None:

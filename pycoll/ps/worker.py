@@ -115,6 +115,7 @@ class Client:
                              max_staleness=0, requests=0, max_tag=0)
         self.clocks = [0] * len(self.server_ranks)     # this worker's clock at each server
         self.pushed = [0] * len(self.server_ranks)     # push requests submitted to each
+        self.versions = [0] * len(self.server_ranks)   # of the parameters last pulled from each
         self._thread = threading.Thread(target=self._run, name="pycoll-ps", daemon=True)
         self._thread.start()
 
@@ -178,7 +179,8 @@ class Client:
                 else:
                     into = np.empty(sum(n for _, n in spans), np.uint8)
                     unpacks.append((into, spans))
-            parts.append(_Part(server, op, self._table(server, items), len(items),
+            version = self.versions[server] if op in (wire.PUSH, wire.PUSH_PULL) else 0
+            parts.append(_Part(server, op, self._table(server, items), len(items), arg=version,
                                payload=payload, pieces=pieces or (), into=into, value=weight))
 
         def unpack():
@@ -354,6 +356,7 @@ class Client:
                                    f"{nbytes} bytes, expected {expected}")
             self.counters["max_staleness"] = max(self.counters["max_staleness"],
                                                  int(meta[wire.CLOCK] - meta[wire.MIN_CLOCK]))
+            self.versions[part.server] = int(meta[wire.SHARD_VERSION])
             part.requests, part.receive = [part.receive], None
             return
         if part.receive is not None:         # an error: no data comes, take the receive back

@@ -1,0 +1,210 @@
+"""BSP, ASP, SSP(3), FluentPS(3) and SaPS training the digits MLP with stragglers.
+
+    python bench/ps_stragglers.py [--settings a,b] [--policies bsp asp ssp:3 fluentps:3 saps]
+                                [--workers 4 --servers 2 --link 50us,1.25GB/s --step-ms 20]
+                                [--slowdown RANK:FACTOR[@START-END],...] [--repeat 1]
+
+Runs examples/ps_digits.py once per policy and setting (``--repeat`` times, medians,
+interleaved) under ``pycollrun --servers S --link L --slowdown ...``:
+
+- (a) the last worker slowed 3x for the whole run;
+- (b) the last two workers slowed 4x from 0.5 s to 3 s after ``ps.init`` (training starts
+  about 0.1-0.3 s after it; ASP reaches 90% in 1-1.5 s);
+- ``--slowdown SPEC``: one setting of your own instead.
+
+Every step also sleeps ``--step-ms`` inside ``pycoll.slowdown()``: the compute of a model
+bigger than the digits MLP, so that a slowed worker is a straggler through this machine's
+noise (the MLP's own step is a millisecond against several of protocol and emulation).
+Prints per setting and policy: time to the target test accuracy, final accuracy, total
+time, delayed pulls, the applied staleness (median / p99 / max over all updates, and
+the slowed workers' 90th percentile: their median is low, as they go on alone once the
+others have done their epochs), SaPS's flags (in training time), discounted and dropped
+updates; writes the JSON rows and a PNG of test accuracy against time (a panel per
+setting) to --out.
+"""
+import argparse
+import json
+import os
+import statistics
+
+from jobs import ROOT, run_job
+
+POLICIES = ("bsp", "asp", "ssp:3", "fluentps:3", "saps")
+LINK, STEP_MS = "50us,1.25GB/s", 20.0
+
+
+def settings(workers: int) -> dict:
+    """Name -> (title, --slowdown spec); workers are ranks 0..W-1."""
+    last = workers - 1
+    return {"a": (f"worker {last} slowed 3x", f"{last}:3"),
+            "b": (f"workers {last - 1}, {last} slowed 4x at 0.5-3 s",
+                  f"{last - 1}:4@0.5-3,{last}:4@0.5-3")}
+
+
+def run(policy: str, slowdown: str, *, servers=2, workers=4, link=LINK, step_ms=STEP_MS,
+        epochs=10, hidden=1024, batch_size=64, seed=0) -> dict:
+    """One training of the digits MLP under ``policy``; ps_digits.py's JSON."""
+    flags = ["--servers", str(servers), "--slowdown", slowdown] + (["--link", link] if link else [])
+    return run_job(servers + workers, "ps_digits.py",
+                   ["--policy", policy, "--epochs", epochs, "--hidden", hidden,
+                    "--batch-size", batch_size, "--step-ms", step_ms, "--seed", seed],
+                   flags=flags)
+
+
+def time_to(curve, target):
+    return next((t for t, acc in curve if acc >= target), float("inf"))
+
+
+def quantile(histogram: dict, q: float):
+    """The ``q`` quantile of a ``{staleness: count}`` histogram (None if empty)."""
+    from pycoll.ps.saps import percentile
+    return percentile(histogram, q)
+
+
+def staleness(out: dict, slowed) -> dict:
+    """Applied staleness of one run: median, p99 and max over every update, and the
+    90th percentile of the slowed workers' updates."""
+    from pycoll.ps.saps import merged
+    per_worker = out["stragglers"]["staleness"]
+    every = merged(per_worker)
+    theirs = merged({w: h for w, h in per_worker.items() if int(w) in slowed})
+    return dict(median=quantile(every, 0.5), p99=quantile(every, 0.99), max=quantile(every, 1),
+                slowed_p90=quantile(theirs, 0.9), histogram=every)
+
+
+def flags(out: dict) -> list:
+    """SaPS's flags, times in seconds of training (the curve's clock)."""
+    shift = out.get("setup_s", 0.0)
+    return [dict(worker=f["worker"], flagged=round(f["flagged_s"] - shift, 2),
+                 unflagged=None if f["unflagged_s"] is None else round(f["unflagged_s"] - shift, 2))
+            for f in out["stragglers"].get("flags", [])]
+
+
+def summarize(setting: str, policy: str, runs: list, slowed, target: float) -> dict:
+    median = statistics.median
+    view = [r["stragglers"] for r in runs]
+    stale = [staleness(r, slowed) for r in runs]
+    return dict(
+        setting=setting, policy=policy,
+        time_to_target_s=median(time_to(r["curve"], target) for r in runs),
+        final_accuracy=median(r["final"] for r in runs),
+        seconds=median(r["seconds"] for r in runs),
+        delayed_pulls=median(sum(s["delayed_pulls"] for s in r["servers"]) for r in runs),
+        staleness_median=median(s["median"] for s in stale),
+        staleness_p99=median(s["p99"] for s in stale),
+        staleness_max=max(s["max"] for s in stale),
+        slowed_staleness_p90=median(s["slowed_p90"] or 0 for s in stale),
+        staleness_histogram=stale[0]["histogram"],
+        flags=flags(runs[0]),
+        discounted=median(sum(v.get("discounted", [0])) for v in view),
+        dropped=median(sum(v.get("dropped", [0])) for v in view))
+
+
+def flag_text(flag: dict) -> str:
+    end = "end" if flag["unflagged"] is None else f"{flag['unflagged']:.2f}"
+    return f"w{flag['worker']} {flag['flagged']:.2f}-{end}"
+
+
+def slowed_workers(spec: str) -> set:
+    return {int(item.split(":")[0]) for item in spec.split(",") if item.strip()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--settings", default="a,b", help="comma-separated: a, b")
+    parser.add_argument("--slowdown", help="RANK:FACTOR[@START-END],...: one setting of your own")
+    parser.add_argument("--link", default=LINK, help="pycollrun --link ('' for none)")
+    parser.add_argument("--step-ms", type=float, default=STEP_MS)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES),
+                        help="e.g. ssp:3 fluentps:3 saps:bound=12,window=8")
+    parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    known = settings(args.workers)
+    chosen = {"custom": (f"slowdown {args.slowdown}", args.slowdown)} if args.slowdown else \
+        {name: known[name] for name in args.settings.split(",")}
+    results = {name: {p: [] for p in args.policies} for name in chosen}
+    for _ in range(args.repeat):           # interleaved: machine noise hits all alike
+        for name, (_, spec) in chosen.items():
+            for policy in args.policies:
+                results[name][policy].append(run(
+                    policy, spec, servers=args.servers, workers=args.workers, link=args.link,
+                    step_ms=args.step_ms, epochs=args.epochs, hidden=args.hidden,
+                    batch_size=args.batch_size))
+    rows = [summarize(name, policy, runs, slowed_workers(chosen[name][1]), args.target)
+            for name, by_policy in results.items() for policy, runs in by_policy.items()]
+    print(f"{args.workers} workers, {args.servers} servers, link {args.link or 'none'}, "
+          f"{args.step_ms:g} ms emulated compute per step, median of {args.repeat}")
+    for name, (title, spec) in chosen.items():
+        print(f"\n({name}) {title}: --slowdown {spec}")
+        print(f"{'policy':<12} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>9} "
+              f"{'total s':>8} {'delayed':>8} {'staleness med/p99/max':>22} "
+              f"{'slowed p90':>10}  SaPS")
+        mine = [r for r in rows if r["setting"] == name]
+        for r in mine:
+            saps = ""
+            if r["policy"].startswith("saps"):
+                saps = (f"discounted {r['discounted']:.0f}, dropped {r['dropped']:.0f}; flags "
+                        + (", ".join(flag_text(f) for f in r["flags"]) or "none"))
+            print(f"{r['policy']:<12} {r['time_to_target_s']:9.2f} {r['final_accuracy']:9.2%} "
+                  f"{r['seconds']:8.2f} {r['delayed_pulls']:8.0f} "
+                  f"{r['staleness_median']:>8}/{r['staleness_p99']}/{r['staleness_max']:<6} "
+                  f"{r['slowed_staleness_p90']:>10}  {saps}")
+        verdict(mine, args.target)
+    with open(os.path.join(args.out, "ps_stragglers.json"), "w") as f:
+        json.dump(dict(rows=rows, runs=results, args=vars(args)), f)
+    plot(results, chosen, args)
+    print("wrote", os.path.join(args.out, "ps_stragglers.json"), "and ps_stragglers.png")
+
+
+def verdict(rows, target) -> None:
+    """SaPS against the fastest to the target and against SSP(3)'s final accuracy."""
+    by = {r["policy"]: r for r in rows}
+    saps = next((r for p, r in by.items() if p.startswith("saps")), None)
+    if saps is None:
+        return
+    fastest = min(rows, key=lambda r: r["time_to_target_s"])
+    ratio = saps["time_to_target_s"] / fastest["time_to_target_s"]
+    print(f"SaPS: time to {target:.0%} x{ratio:.2f} the fastest ({fastest['policy']})", end="")
+    ssp, fluent = by.get("ssp:3"), by.get("fluentps:3")
+    if ssp:
+        print(f"; final accuracy {saps['final_accuracy']:.2%} vs SSP(3)'s "
+              f"{ssp['final_accuracy']:.2%}", end="")
+    print()
+    if ssp and fluent:
+        fewer = fluent["delayed_pulls"] / max(1, ssp["delayed_pulls"])
+        print(f"FluentPS vs SSP: delayed pulls x{fewer:.2f}, "
+              f"time to {target:.0%} x{fluent['time_to_target_s'] / ssp['time_to_target_s']:.2f}")
+
+
+def plot(results, chosen, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4), squeeze=False)
+    for ax, (name, by_policy) in zip(axes[0], results.items()):
+        for policy, runs in by_policy.items():
+            t, acc = zip(*runs[0]["curve"])
+            ax.plot(t, [100 * a for a in acc], label=policy,
+                    lw=2 if policy.startswith("saps") else 1)
+        ax.axhline(100 * args.target, color="grey", lw=0.8, ls="--")
+        ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy (%)", ylim=(0, 100),
+               title=f"({name}) {chosen[name][0]}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle(f"digits MLP, {args.workers} workers + {args.servers} servers, link "
+                 f"{args.link or 'none'}, {args.step_ms:g} ms/step")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "ps_stragglers.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -169,7 +169,7 @@ def role(text: str) -> None:
 def ps_counters(counters: dict) -> None:
     """For the report: this worker's ``pycoll.ps.counters()`` (``pull_wait_s`` counts as
     waiting; ``waited_for``, {rank: seconds}, in the worker's or a server's counters
-    names whom it waited for)."""
+    names whom it waited for; ``straggler_line``, the PS's, is printed as it is)."""
     if _counting:
         _ps_counters.append(counters)
 
@@ -396,9 +396,10 @@ def report(parts: list, slowdown=None) -> str:
     peers, PS pull wait), then the ranks the others waited for most, with a hint."""
     waited, waited_for = waits(parts)
     pulls = collections.Counter()
-    servers = []
+    servers, straggler_line = [], None
     for part in parts:
         for counters in part["ps"]:
+            straggler_line = counters.get("straggler_line", straggler_line)
             worker = counters.get("worker", {})
             pulls[part["rank"]] += worker.get("pull_wait_s", 0.0)
             for rank, seconds in worker.get("waited_for", {}).items():
@@ -424,6 +425,8 @@ def report(parts: list, slowdown=None) -> str:
              "collectives, for the last rank to arrive)"]
     for row in [header] + rows:
         lines.append("  ".join(str(v).rjust(w) for v, w in zip(row, widths)))
+    if straggler_line:                       # the parameter server's (SaPS's flags)
+        lines.append(f"parameter server {straggler_line}")
     total = sum(waited_for.values())
     if total <= 0:
         lines.append("nobody waited for anybody in collectives")

@@ -130,5 +130,6 @@ def test_parameter_server_on_the_timeline_and_in_the_report():
     assert waits and all(e["pid"] == 2 and e["args"]["reason"] == "staleness" for e in waits)
     assert any(e["args"]["waited_for"] == [1] for e in waits)
     assert "waited for most: rank 1 (" in out, out
+    assert "parameter server stragglers: not tracked by bsp; applied staleness" in out, out
     paced = {(e["pid"], e["name"]) for e in events if e.get("cat") == "emulated" and e["ph"] == "b"}
     assert {(0, "emulated send"), (2, "emulated receive")} <= paced, paced

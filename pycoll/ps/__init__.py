@@ -398,7 +398,8 @@ def shutdown() -> None:
             for work in _state.background:
                 work.wait()
             if config.get("report"):
-                timeline.ps_counters(counters())
+                stats = counters()
+                timeline.ps_counters(dict(stats, straggler_line=straggler_line(stats)))
             if _state.stats_path:
                 mine = counters()
                 everyone = [json.loads(b) for b in _exchange(

@@ -147,13 +147,6 @@ def test_mismatch_raises_on_every_rank_and_group_goes_on():
                                torch.full((2,), float(hvd.size())))
 
 
-def test_duplicate_pending_name_is_refused():
-    handle = hvd.allreduce_async(torch.ones(1), name="twice")
-    with pytest.raises(ValueError, match="still running"):
-        hvd.allreduce_async(torch.ones(1), name="twice")
-    hvd.synchronize(handle)
-
-
 # ---------------------------------------------------------------- join
 
 def test_join_takes_part_with_zeros():

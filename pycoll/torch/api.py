@@ -315,8 +315,12 @@ class _Handles:
         self._counts: Dict[int, int] = {}                     # process set id -> operations
 
     def reserve(self, name: Optional[str], kind: str, process_set: "ProcessSet") -> tuple:
-        """(handle, name): a fresh handle, and ``name`` or Horovod's for unnamed ops."""
+        """(handle, name): a fresh handle, and ``name`` or Horovod's for unnamed ops. A
+        name still running is refused before it counts, so a refused call leaves the
+        count (and the names of later unnamed operations) as it was."""
         with self._lock:
+            if name is not None:
+                self.check(name)
             count = self._counts[process_set.process_set_id] = \
                 self._counts.get(process_set.process_set_id, 0) + 1
         return next(self._next), name if name is not None else f"{kind}.noname.{count}"
@@ -386,7 +390,6 @@ def _submit(process_set: ProcessSet, kind: str, name: Optional[str], meta: tuple
     member has submitted ``name``; ``finish(output)`` is what ``synchronize`` returns."""
     process_set = _member(process_set)
     handle, name = _handles.reserve(name, prefix or kind, process_set)
-    _handles.check(name)
     request = negotiation.Request(name, kind, meta, local, joinable)
     ticket = _negotiator(process_set).submit(request, lambda response: start(name, response))
     return _handles.add(handle, ticket, finish)

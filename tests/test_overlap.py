@@ -1,10 +1,6 @@
 """pycoll.overlap: the planner and the partition primitives in-process; allreduce
 training with each schedule at every rank count; the parameter server's schedules
 through whole jobs (tests/overlap_job.py)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +11,9 @@ from pycoll import _C, config  # noqa: E402
 from pycoll.overlap import plan as planner  # noqa: E402
 from pycoll.overlap import schedule as sched  # noqa: E402
 from pycoll.overlap.plan import Piece, Profile, Tensor  # noqa: E402
+from ps_launch import run_ps_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[1]
 
 # Many small layers and two large ones (rows of 4 KiB).
 TENSORS = [Tensor(64, 256, 0), Tensor(1, 256, 0)] + \
@@ -123,11 +119,7 @@ def test_bad_schedule_and_missing_model_are_clear():
 
 @pytest.mark.parametrize("np_,servers", [(3, 1), (4, 2)])
 def test_ps_schedules_are_bit_identical_under_bsp(np_, servers):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
-           str(servers), "--timeout", "30", "python", str(ROOT / "tests" / "overlap_job.py")]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = run_ps_job("overlap_job.py", np_, servers, timeout_s=30, wall_s=100)
     assert out.stdout.count("schedules bit-identical") == np_ - servers, out.stdout
 
 

@@ -15,20 +15,15 @@ from pycoll.ps import policy as pol
 from pycoll.ps import wire
 from pycoll.ps.layout import plan
 from pycoll.ps.optim import SGD, Shard
+from ps_launch import run_ps_job
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def job(np_, servers, *args, timeout_s=20, expect_ok=True):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
-           str(servers), "--timeout", str(timeout_s), "python", str(ROOT / "tests" / "ps_job.py"),
-           *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    if expect_ok:
-        assert out.returncode == 0, out.stdout + out.stderr
-    return out
+    return run_ps_job("ps_job.py", np_, servers, *args, timeout_s=timeout_s,
+                      expect_ok=expect_ok)
 
 
 # ---------------------------------------------------------------- in-process

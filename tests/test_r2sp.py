@@ -3,18 +3,14 @@ spacing, patience, batch adaptation, weights, one worker); whole jobs through py
 for the N-1 staleness bound, sample-weighted updates and a worker that dies holding its
 turn (tests/r2sp_job.py holds the jobs)."""
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pycoll.ps import policy as pol
 from pycoll.ps.r2sp import AdaptiveBatchSampler, Coordinator, R2SP, split
+from ps_launch import run_ps_job
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def simulate(speeds, rounds, base=32, comm=0.002, policy=None, stop=None):
@@ -142,14 +138,8 @@ def test_sampler_follows_the_batch_size():
 
 # ---------------------------------------------------------------- whole jobs
 def job(np_, servers, *args, timeout_s=20, expect_ok=True):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
-           str(servers), "--timeout", str(timeout_s), "python", str(ROOT / "tests" / "r2sp_job.py"),
-           *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    if expect_ok:
-        assert out.returncode == 0, out.stdout + out.stderr
-    return out
+    return run_ps_job("r2sp_job.py", np_, servers, *args, timeout_s=timeout_s,
+                      expect_ok=expect_ok)
 
 
 def test_gradients_miss_at_most_n_minus_1_updates_and_turns_go_round_robin():

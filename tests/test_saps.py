@@ -1,28 +1,19 @@
 """SaPS: its rule in-process; whole jobs (servers + workers) through pycollrun, a few
 seconds each (tests/saps_job.py holds the jobs)."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pycoll.ps import policy as pol
 from pycoll.ps.saps import Detector, SaPS, percentile, stragglers, summary
+from ps_launch import run_ps_job
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def job(np_, servers, *args, flags=()):
     """``saps_job.py ARGS`` under pycollrun; the JSON its worker 0 reported."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [sys.executable, "-m", "pycoll.launch.pycollrun", "-np", str(np_), "--servers",
-           str(servers), "--timeout", "30", *flags, "python",
-           str(ROOT / "tests" / "saps_job.py"), *args]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = run_ps_job("saps_job.py", np_, servers, *args, flags=flags, timeout_s=30)
     return json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 

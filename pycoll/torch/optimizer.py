@@ -30,6 +30,15 @@ from . import api
 from .compression import Compression
 
 
+def _zero_grad(self, set_to_none: bool = True):
+    """Both distributed optimizers' zero_grad: refused while gradients are being reduced."""
+    if self._handles:
+        raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                             "but before optimizer.step() or optimizer.synchronize(). "
+                             "This is prohibited as it can cause a race condition.")
+    return super(self.__class__, self).zero_grad(set_to_none)
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (see ``DistributedOptimizer``)."""
 
@@ -216,12 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, g in zip(params, kept):
                 p.grad = g
 
-    def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
-        return super(self.__class__, self).zero_grad(set_to_none)
+    zero_grad = _zero_grad
 
 
 def _overlap(opt, model, schedule):
@@ -335,12 +339,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     def _wrapped_step(self, closure=None):
         return super(self.__class__, self).step(closure)
 
-    def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
-        return super(self.__class__, self).zero_grad(set_to_none)
+    zero_grad = _zero_grad
 
 
 def _parameter_names(param_groups, named_parameters) -> Dict[torch.Tensor, str]:

@@ -166,7 +166,8 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
 
     ring allreduce 2(n-1)(alpha + B/(n beta)); allgather, reduce-scatter and pairwise
     alltoall (n-1)(alpha + B/(n beta)); binomial-tree broadcast ceil(log2 n)(alpha + B/beta);
-    barrier ceil(log2 n) alpha."""
+    barrier ceil(log2 n) alpha; direct exchange (every member sends its B bytes to every
+    other at once: the partial all-reduce of small tensors) alpha + (n-1)B/beta."""
     if n <= 1:
         return 0.0
     rounds = math.ceil(math.log2(n))
@@ -178,6 +179,8 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
         return rounds * (latency + nbytes / bandwidth)
     if kind == "barrier":
         return rounds * latency
+    if kind == "direct":
+        return latency + (n - 1) * nbytes / bandwidth
     raise ValueError(f"no cost model for collective {kind!r}")
 
 
@@ -218,9 +221,11 @@ def sleep_until(deadline: float) -> None:
 class _Slots:
     """Each world rank's entries into its latest collectives, in a file in shared memory
     that every rank maps: SLOTS per rank, each (key, entry time, latency, 1/bandwidth,
-    bytes). A rank writes only its own, the key last; the others read them."""
+    bytes), written in turn. A rank writes only its own, the key last; the others find an
+    entry by its key (not by a slot of its group's: a rank that has left one group's
+    collective may enter another's before a slow member of the first has read it)."""
 
-    SLOTS = 64
+    SLOTS = 256
 
     def __init__(self, path: str, size: int):
         import numpy as np
@@ -236,19 +241,24 @@ class _Slots:
         self.keys = np.frombuffer(self.map, np.int64).reshape(size, self.SLOTS, 5)[:, :, 0]
 
 
-class _Group:
-    """What a communicator's emulated collectives need: its members' world ranks, an id
-    every member agrees on, and how many collectives it has run."""
+def _world_ranks(comm, ranks) -> list:
+    """``comm``'s ``ranks`` as ranks of MPI.COMM_WORLD (the slots' rows)."""
+    from mpi4py import MPI
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(group, list(ranks), world)
+    finally:
+        group.Free()
+        world.Free()
 
-    def __init__(self, comm, cid: int):
+
+class _Group:
+    """What a group's emulated collectives need: its members' world ranks, an id every
+    member agrees on, and how many collectives it has run."""
+
+    def __init__(self, comm, cid: int, world: list):
         from mpi4py import MPI
-        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            self.world = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-        finally:
-            group.Free()
-            world.Free()
-        self.comm, self.cid, self.count = comm, cid, 0
+        self.comm, self.cid, self.count, self.world = comm, cid, 0, world
         self.me = MPI.COMM_WORLD.Get_rank()
         self.links = self.link = None
 
@@ -261,43 +271,54 @@ class _Group:
         return self.link
 
 
-_groups: Dict[int, _Group] = {}
+_groups: Dict[object, _Group] = {}
 _next_cid = 1
 _slots: Optional[_Slots] = None
+_written = itertools.count()            # this rank's entries so far (its next slot)
 
 
-def _group(comm) -> _Group:
-    """``comm``'s record, made at its first emulated collective: one small allreduce
-    there agrees on its id (the members run their collectives on it in one order)."""
+def _group(comm, members: Optional[tuple] = None) -> _Group:
+    """The record of ``comm``, or of its ranks ``members`` (a group with no communicator
+    of its own, a partial all-reduce's), made at its first emulated collective. A
+    communicator's members agree on its id by one small allreduce there (they run their
+    collectives on it in one order); a group of members takes the negated hash of their
+    world ranks."""
     global _next_cid, _slots
-    found = _groups.get(id(comm))
+    key = id(comm) if members is None else (id(comm), members)
+    found = _groups.get(key)
     if found is None or found.comm is not comm:
         from mpi4py import MPI
-        cid = comm.allreduce(_next_cid, op=MPI.MAX)
-        _next_cid = cid + 1
-        found = _groups[id(comm)] = _Group(comm, cid)
         if _slots is None:
             _slots = _Slots(os.path.join(_job().dir, "collectives"), MPI.COMM_WORLD.Get_size())
+        if members is None:
+            cid = comm.allreduce(_next_cid, op=MPI.MAX)
+            _next_cid = cid + 1
+            world = _world_ranks(comm, range(comm.Get_size()))
+        else:
+            world = _world_ranks(comm, members)
+            cid = -1 - (hash(tuple(world)) & (2**61 - 1))
+        found = _groups[key] = _Group(comm, cid, world)
     return found
 
 
-def _enter(comm, nbytes: int, issued: float = math.inf):
-    """Before a collective on ``comm``: this rank's entry (when it was issued, but not
-    before this rank's previous one ended; its link, its bytes) where the other members
-    can read it; None for a group of one."""
+def _enter(comm, nbytes: int, issued: float = math.inf, members: Optional[tuple] = None):
+    """Before a collective on ``comm`` (among its ranks ``members`` if given): this rank's
+    entry (when it was issued, but not before this rank's previous one ended; its link, its
+    bytes) where the other members can read it; None for a group of one."""
     now = time.monotonic()
-    if comm.Get_size() <= 1:
+    if (comm.Get_size() if members is None else len(members)) <= 1:
         return None
     if getattr(_called, "at", None) is not None:
         issued, _called.at = min(issued, _called.at), None
-    group = _group(comm)
+    group = _group(comm, members)
     group.count += 1
     key = hash((group.cid, group.count)) & (2**62 - 1) or 1
-    slot = group.count % _Slots.SLOTS
+    slot = next(_written) % _Slots.SLOTS
+    _slots.keys[group.me, slot] = 0                       # no reader takes it half-written
     _slots.values[group.me, slot, 1:] = (max(min(issued, now), _last_end[0]),
                                          *group.my_link(), float(nbytes))
     _slots.keys[group.me, slot] = key                     # last: the entry is complete
-    return group, key, slot
+    return group, key
 
 
 _last_end = [0.0]           # when this rank's latest emulated collective ended
@@ -311,21 +332,33 @@ def called() -> None:
         _called.at = time.monotonic()
 
 
+def _entries(group: _Group, key: int) -> Optional[list]:
+    """The members' entries of collective ``key``; None while one is not there."""
+    hits = _slots.keys[group.world] == key
+    if not hits.any(axis=1).all():
+        return None
+    slots = hits.argmax(axis=1)
+    rows = _slots.values[group.world, slots].tolist()
+    if (_slots.keys[group.world, slots] != key).any():      # overwritten as we read
+        return None
+    return rows
+
+
 def _leave(entry, kind: str) -> None:
     """After the real collective: sleep until the modelled end, the latest member's entry
     plus the cost at the slowest member's link (the same on every member)."""
     if entry is None:
         return
-    group, key, slot = entry
-    keys, values = _slots.keys[:, slot].tolist(), _slots.values[:, slot]
-    if any(keys[m] != key for m in group.world):
+    group, key = entry
+    rows = _entries(group, key)
+    if rows is None:
         deadline, delay = time.monotonic() + config.get("timeout"), 0.0
-        while any(_slots.keys[m, slot] != key for m in group.world):
+        while rows is None:
             if time.monotonic() > deadline:    # a member never came: the real call says so
                 return
             time.sleep(delay)          # a broadcast's root can finish before the others
             delay = min(max(2 * delay, 1e-5), 1e-3)    # come; in the model all leave together
-    rows = values[group.world].tolist()
+            rows = _entries(group, key)
     start = max(row[1] for row in rows)
     latency = max(row[2] for row in rows)
     slowest = max(row[3] for row in rows)
@@ -352,15 +385,15 @@ def modelled(kind: str, what):
     return decorate
 
 
-def timed(kind: str, comm, nbytes: int, run):
-    """``run`` (a collective's thunk), costing the modelled time of ``kind`` when a link
-    is set; ``run`` itself otherwise."""
+def timed(kind: str, comm, nbytes: int, run, members: Optional[tuple] = None):
+    """``run`` (a collective's thunk, on ``comm`` or among its ranks ``members``), costing
+    the modelled time of ``kind`` when a link is set; ``run`` itself otherwise."""
     if not config.get("link"):
         return run
     issued = time.monotonic()               # planned in the caller's thread: its call
 
     def emulated():
-        entry = _enter(comm, nbytes, issued)
+        entry = _enter(comm, nbytes, issued, members)
         result = run()
         _leave(entry, kind)
         return result
@@ -792,16 +825,16 @@ class _Emulator:
                     found.append(key)
         return found
 
-    def _take(self, key: tuple, now: float, every: bool = False) -> bool:
+    def _take(self, key: tuple, now: float) -> bool:
         """Test the receives of queue ``key`` in posting order, up to the first still
-        waiting (``every``: all of them); release the completed."""
+        waiting; release the completed. In order: MPI matches them in that order, so
+        the k-th taken gets the k-th record (a later one can finish first, when one test
+        progresses both, and must not take an earlier message's record)."""
         from mpi4py import MPI
         queue, moved = self.receiving[key], False
         for entry in list(queue):
             if entry.real is not None:
                 if not entry.real.Test(self.status):
-                    if every:
-                        continue
                     break
                 status = self.status
                 entry.real = None
@@ -827,14 +860,14 @@ class _Emulator:
                                or self.due)
         # A receive can only have completed once its message's record came: the sender
         # writes it first. So for each record waiting, the first receive posted that could
-        # take it is tested (and the next, while they complete); all of them every
-        # FALLBACK_S, in case a message came unbooked.
+        # take it is tested (and the next, while they complete); every queue's first
+        # every FALLBACK_S, in case a message came unbooked.
         if self.receiving:
             every = now >= self.fallback
             if every:
                 self.fallback = now + _FALLBACK_S
             for key in list(self.receiving) if every else self._candidates(waiting):
-                moved |= self._take(key, now, every)
+                moved |= self._take(key, now)
             late = bool(waiting) and bool(self.receiving)
         if self.pickled and (waiting or now >= self.fallback):
             self.fallback = now + _FALLBACK_S

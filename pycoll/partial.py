@@ -10,8 +10,9 @@ same ranks (in any order). Two paths:
   non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
   direct exchange (each member sends its tensor to every other: one latency); beyond, a
   ring reduce-scatter then allgather in ``CHUNK_BYTES`` chunks, reducing one chunk while
-  the next arrives. Every member gets the same bits. Under ``--link`` the communicator is
-  emulated (its messages are paced in Python), so the same ring runs here in Python.
+  the next arrives. Every member gets the same bits. (Where _C has not found MPI, the
+  same ring runs here in Python.) Under ``--link`` a round costs the modelled time of
+  that exchange, paced as collectives are (``emulation.timed``).
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -82,9 +83,7 @@ class _Cache:
         self.shared: Counter = Counter()     # peer -> rounds begun with it
         self.comms: dict = {}
         self.broken: dict = {}           # members -> the error that broke them here
-        # The compiled exchange runs on the real communicator; an emulated one paces its
-        # messages in Python, where the ring must run to be paced.
-        self.compiled = _C.mpi_bound() and not isinstance(comm, emulation.Comm)
+        self.compiled = _C.mpi_bound()           # else the ring runs in Python
         self.handles = (comm.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle, MPI.UNDEFINED)
         # Spin before yielding only where every rank here has a core of its own.
         self.spin = SPIN_S if runtime.local_size() <= (os.cpu_count() or 1) else 0.0
@@ -232,8 +231,10 @@ class _Ring:
                     dst = self.ptr + lo * self.item
                 recvs.append(self.comm.Irecv(message(dst, (hi - lo) * self.item),
                                              source=self.left, tag=self.recv_tag))
-            for _ in recvs:
-                c = self._wait_any(recvs)
+            # In chunk order, not as they land: the next step's receiver matches this
+            # step's sends to its receives, all of one tag, in the order they are posted.
+            for c in range(len(recvs)):
+                self._wait(recvs, c)
                 lo, hi = self.chunks[block][c]
                 if reduce:
                     src = scratch.ctypes.data + (lo - self.chunks[block][0][0]) * self.item
@@ -248,12 +249,10 @@ class _Ring:
                 poll(lambda: True if req.Test() else None, self.deadline,
                       lambda: self._late(self.right))
 
-    def _wait_any(self, recvs) -> int:
-        def test():
-            index, done = MPI.Request.Testany(recvs)
-            return index if done and index != MPI.UNDEFINED else None
+    def _wait(self, recvs, c: int) -> None:
         try:
-            return poll(test, self.deadline, lambda: self._late(self.left))
+            poll(lambda: True if recvs[c].Test() else None, self.deadline,
+                 lambda: self._late(self.left))
         except CollectiveTimeout:
             for req in recvs:            # no late message may land in freed scratch memory
                 if req != MPI.REQUEST_NULL:
@@ -330,8 +329,8 @@ def _plan(x, ranks, op, name, inplace):
             with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
                 if after and uses >= after:
                     comm = _cached_comm(state, group, tags, uses, deadline, name)
-                    emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
-                        MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
+                    comm.Allreduce(MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype),
+                                   mpi_op(op, dst.dtype))
                     if op is Average:
                         _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
                 else:
@@ -343,6 +342,9 @@ def _plan(x, ranks, op, name, inplace):
             state.broken[members] = f"{type(error).__name__}: {error}"
             raise
         return out
+    if config.get("link"):      # the cost of the exchange the compiled core runs, either path
+        kind = "direct" if dst.nbytes <= config.get("partial_direct_bytes") else "allreduce"
+        run = emulation.timed(kind, state.comm, dst.nbytes, run, members)
     return f"{name}({group.ranks})", run
 
 

@@ -5,7 +5,7 @@ import os
 import weakref
 from typing import Iterable, Optional
 
-from . import _C, config, emulation, hetero, timeline
+from . import _C, config, hetero, timeline
 from .engine import Engine
 from .inspector import Checker
 
@@ -95,7 +95,7 @@ def init(comm=None, **options) -> None:
     hetero.mark_start()             # --slowdown windows count from here
     timeline.begin(comm)            # with --timeline or --report: clocks aligned here
     _state.world = Group(own, tuple(range(own.Get_size())))
-    _state.p2p_comm = emulation.p2p(own.Dup())  # made here: Dup is collective, partial groups are not
+    _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine(on_stuck=_abort)
     _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size())

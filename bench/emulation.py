@@ -8,12 +8,16 @@ Runs each job twice under pycollrun, without and with ``--link``: the collective
 --ranks ranks (in-place allreduce and broadcast, allgather into a given output, and a
 partial all-reduce of every rank on its point-to-point ring), and the parameter-server
 job on --ranks workers and 1 server (ASP, no optimizer: pushes of one worker, then of all
-at once; then pulls likewise). Every repetition starts all ranks at one instant (they
-share this machine's clock); its time is the slowest rank's; tables quote the median.
+at once; then pulls likewise). Every repetition wakes all ranks at one instant (they
+share this machine's clock); its time runs from the latest start to the latest end among
+the ranks taking part (the model's runs from the last member's entry); tables quote the
+median.
 
 The model of each row (``pycoll.emulation``; alpha, beta the link's latency and bandwidth,
 n ranks, B bytes):
-  allreduce, partial   2(n-1)(alpha + B/(n beta))     (ring; the partial ring is pycoll's own)
+  allreduce            2(n-1)(alpha + B/(n beta))     (ring)
+  partial              2(n-1)(alpha + B/(n beta))     (pycoll's ring; up to 64 KiB its direct
+                       alpha + (n-1)B/beta             exchange, PYCOLL_PARTIAL_DIRECT_BYTES)
   allgather            (n-1)(alpha + B/(n beta))      (B: the gathered result)
   broadcast            ceil(log2 n)(alpha + B/beta)
   ps push, W pushers   W B/beta                       (a push is done when the server has its
@@ -53,17 +57,23 @@ def human(n: int) -> str:
 # ---------------------------------------------------------------- the jobs (under MPI)
 
 def _together(comm) -> float:
-    """One start instant for every rank of ``comm``: the latest clock, plus 2 ms."""
+    """Wake every rank of ``comm`` at one instant (the latest clock, plus 2 ms); when this
+    one did (on a loaded machine some wake a fraction of a millisecond late)."""
     from mpi4py import MPI
     from pycoll import emulation
-    start = comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.002
-    emulation.sleep_until(start)
-    return start
+    emulation.sleep_until(comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.002)
+    return time.monotonic()
 
 
-def _slowest(comm, start: float) -> float:
+def _took(comm, begun: float, part: bool = True) -> float:
+    """From the latest start to the latest end among the ranks that take ``part``: the
+    model's time runs from the last member's entry too, so a late wake-up is not counted
+    against the emulation (nor in the time without a link)."""
+    import numpy as np
     from mpi4py import MPI
-    return comm.allreduce(time.monotonic() - start, op=MPI.MAX)
+    mine = np.array([begun, time.monotonic()] if part else [-np.inf, -np.inf])
+    comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+    return float(mine[1] - mine[0])
 
 
 def collectives_job(args) -> list:
@@ -85,9 +95,9 @@ def collectives_job(args) -> list:
             times = []
             for rep in range(args.reps + 1):                    # the first warms up
                 x.fill(rank + 1)
-                start = _together(comm)
+                begun = _together(comm)
                 runs[op]()
-                took = _slowest(comm, start)
+                took = _took(comm, begun)
                 if rep:
                     times.append(took)
             if op in ("allreduce", "partial") and not np.all(x == n * (n + 1) / 2):
@@ -112,10 +122,10 @@ def ps_job(args) -> list:
             for pushers in sorted({1, workers}):
                 times = []
                 for rep in range(args.reps + 1):
-                    start = _together(comm)
+                    begun = _together(comm)
                     if rank < pushers:
                         call()
-                    took = _slowest(comm, start)
+                    took = _took(comm, begun, rank < pushers)
                     if rep:
                         times.append(took)
                 rows.append(dict(op=op, bytes=value.nbytes, pushers=pushers, times=times))
@@ -155,7 +165,9 @@ def run_job(kind: str, args, link, out: str) -> list:
 def model_time(op: str, n: int, nbytes: int, pushers, latency: float, bandwidth: float) -> float:
     from pycoll import emulation
     if op == "partial":
-        return emulation.collective_time("allreduce", n, nbytes, latency, bandwidth)
+        from pycoll import config
+        kind = "direct" if nbytes <= config.get("partial_direct_bytes") else "allreduce"
+        return emulation.collective_time(kind, n, nbytes, latency, bandwidth)
     if op in COLLECTIVES:
         return emulation.collective_time(op, n, nbytes, latency, bandwidth)
     if op == "ps push":

@@ -2,8 +2,8 @@
 //
 // Ring, for large messages: k-1 reduce-scatter steps then k-1 allgather steps; a step's
 // block is cut into chunks of chunk_bytes, all its receives are posted at once, and each
-// chunk is reduced and forwarded the moment it lands, so reducing one chunk overlaps the
-// transfer of the next. Each block is reduced once and then copied: every member ends
+// chunk is reduced and forwarded in order as soon as it has landed, so reducing one chunk
+// overlaps the transfer of the next. Each block is reduced once and then copied: every member ends
 // with the same bits.
 // Direct exchange, for small messages: every member sends its buffer to every other and
 // reduces the k buffers in member order (one latency instead of 2(k-1); the same bits
@@ -129,6 +129,15 @@ class Exchange {
         }
     }
 
+    void wait_recv(size_t i, size_t j) {
+        while (true) {
+            int flag;
+            check(mpi::test(recvs_.at(i), &flag));
+            if (flag) return patience_.progressed();
+            patience_.idle(peer(j));
+        }
+    }
+
     void finish(size_t j) {
         for (size_t i = 0; i < sends_.size(); ++i) wait_send(i, j);
     }
@@ -197,8 +206,10 @@ class Exchange {
                     post_recv(at(lo(b, c)), nbytes, left);
                 }
             }
-            for (size_t got = 0; got < n; ++got) {
-                const size_t c = next_recv(first, left);
+            // In chunk order, not as they land: the right neighbour matches this step's
+            // sends to its receives, all of one tag, in the order it posted them.
+            for (size_t c = 0; c < n; ++c) {
+                wait_recv(first + c, left);
                 if (reduce) {
                     const size_t m = hi(b, c) - lo(b, c);
                     cpu::reduce(at(lo(b, c)), scratch.data() + (lo(b, c) - bounds[b]) * item_, m, r_.dt, r_.op);

@@ -341,6 +341,34 @@ def test_pickled_and_probed_messages_and_messages_to_oneself(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_messages_of_one_source_and_tag_complete_in_order(comm, monkeypatch):
+    """Receives of one source and tag complete in the order MPI matches them, each with
+    its own message: the emulation takes a queue's receives in posting order, also in its
+    pass over every queue (forced here on every wake-up), where one test of MPI can finish
+    several."""
+    from mpi4py import MPI
+    monkeypatch.setattr(emulation, "_FALLBACK_S", 0.0)
+    r, sizes = comm.Get_rank(), [(1 << 16) + 4096 * (i % 3) for i in range(24)]
+    order, counts = [], []
+    _together(comm)
+    if r == 0:
+        MPI.Request.Waitall([comm.Isend(np.full(size, i, np.uint8), dest=1, tag=9)
+                             for i, size in enumerate(sizes)])
+    elif r == 1:
+        inbox = [np.empty(size, np.uint8) for size in sizes]
+        requests = [comm.Irecv(box, source=0, tag=9) for box in inbox]
+        status = MPI.Status()
+        while len(order) < len(requests):
+            index = MPI.Request.Waitany(requests, status)
+            order.append(index)
+            counts.append(status.Get_count(MPI.BYTE))
+    comm.Barrier()
+    if r == 1:
+        assert order == list(range(len(sizes))), order
+        assert counts == sizes and all(np.all(box == i) for i, box in enumerate(inbox))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_cancelled_receive_completes(comm):
     from mpi4py import MPI
     request = comm.Irecv(np.empty(4), source=MPI.ANY_SOURCE, tag=99)

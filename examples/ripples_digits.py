@@ -40,28 +40,24 @@ def make_sync(scheme: str, model, group_size: int, seed: int):
 
 class Deadline:
     """When to stop. Asynchronous schemes stop on their own clock. Lockstep ones stop at
-    one step count: rank 0 turns the time budget into steps from its first steps' pace
-    and tells everyone long before they get there (they drift apart by a few steps at most)."""
+    one step count, which every worker learns at step ``calibrate`` in one broadcast from
+    rank 0 (its first steps' pace turns the time budget into steps): a worker that
+    learnt it later than the others could be past it already, in a group whose partners
+    have stopped."""
 
     def __init__(self, seconds: float, steps: int, lockstep: bool, comm, calibrate: int = 10):
         self.seconds, self.comm, self.calibrate = seconds, comm, calibrate
         self.start = time.perf_counter()
         self.steps = steps or None                  # the step count, once known
         self.by_clock = not steps and not lockstep
-        announced = not steps and lockstep and comm.rank > 0
-        self.box = np.zeros(1, np.int64)
-        self.request = comm.Irecv(self.box, source=0, tag=7) if announced else None
 
     def done(self, step: int) -> bool:
         elapsed = time.perf_counter() - self.start
         if self.by_clock:
             return elapsed >= self.seconds
-        if self.steps is None and self.comm.rank == 0 and step == self.calibrate:
-            self.steps = max(step + 1, int(self.seconds / (elapsed / step)))
-            for peer in range(1, self.comm.size):
-                self.comm.Send(np.array([self.steps], np.int64), dest=peer, tag=7)
-        elif self.steps is None and self.request is not None and self.request.Test():
-            self.steps = int(self.box[0])
+        if self.steps is None and step == self.calibrate:
+            pace = max(step + 1, int(self.seconds / (elapsed / step)))
+            self.steps = self.comm.bcast(pace if self.comm.rank == 0 else None, root=0)
         return self.steps is not None and step >= self.steps
 
 

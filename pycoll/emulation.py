@@ -820,7 +820,8 @@ class _Emulator:
         """The receive queues that could take the messages whose records wait."""
         found = []
         for cid, src, tag in waiting:
-            for key in ((cid, src, tag), (cid, -1, tag), (cid, src, -1), (cid, -1, -1)):
+            for key in ((cid, src, tag), (cid, src, tag, "matched"), (cid, -1, tag),
+                        (cid, src, -1), (cid, -1, -1)):
                 if key in self.receiving and key not in found:
                     found.append(key)
         return found
@@ -1097,7 +1098,7 @@ def _make_comm_class():
             self._message.Recv(buf, status)
             self._comm._arrived(self._key)
 
-        def Irecv(self, buf):               # matched already: tested every FALLBACK_S
+        def Irecv(self, buf):               # matched already: its record waits too
             return self._comm._hold_receive(self._message.Irecv(buf), *self._key[1:],
                                             matched=True)
 

@@ -136,7 +136,7 @@ def test_distributed_optimizer_matches_one_process(overlap, monkeypatch):
 
 def test_ddp_on_the_pycoll_backend(gpu):
     if not dist.is_initialized():
-        dist.init_process_group("pycoll")
+        dist.init_process_group("pycoll", init_method="pycoll://")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)                   # DDP must broadcast rank 0's weights
     model = (test_torch_backend._model() if rank == 0 else torch.nn.Sequential(

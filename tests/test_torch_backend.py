@@ -1,10 +1,10 @@
 """The "pycoll" torch.distributed backend against gloo, and DDP on it (any rank count).
 
-The default process group is pycoll's (``init_process_group("pycoll")`` with no
-rendezvous set-up: importing pycoll.torch provides it under MPI); a gloo group over the
-same ranks is created beside it, and every collective must give gloo's result.
+The default process group is pycoll's (``init_process_group("pycoll",
+init_method="pycoll://")``: the rendezvous runs over MPI, nothing to set up); a gloo
+group over the same ranks is created beside it, and every collective must give gloo's
+result.
 """
-import os
 
 import pytest
 
@@ -25,7 +25,7 @@ _groups = {}
 @pytest.fixture(scope="module")
 def world():
     if not dist.is_initialized():
-        dist.init_process_group("pycoll")
+        dist.init_process_group("pycoll", init_method="pycoll://")
     assert dist.get_backend() == "pycoll"
     assert (dist.get_rank(), dist.get_world_size()) == (pycoll.rank(), pycoll.size())
     return dist.get_rank(), dist.get_world_size()
@@ -275,10 +275,13 @@ def test_ddp_replicas_identical_and_equal_to_one_process(groups, overlap):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_rendezvous_variables_come_from_mpi(world):
+def test_pycoll_rendezvous_takes_rank_and_size_from_mpi(world):
+    """pycoll:// gives every rank one shared store (the gloo groups beside pycoll's meet
+    through it) and refuses a rank that is not MPI's, on every rank, before any MPI call."""
     rank, size = world
-    assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(size)
-    assert int(os.environ["MASTER_PORT"]) > 0
+    from torch.distributed.rendezvous import rendezvous
+    with pytest.raises(ValueError, match=f"this process is rank {rank} of {size}, but rank=7"):
+        next(rendezvous("pycoll://", rank=7))
 
 
 # ---------------------------------------------------------------- point to point

@@ -5,11 +5,11 @@
     optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters())
 
     import pycoll.torch                 # or: DDP over MPI
-    torch.distributed.init_process_group("pycoll")
+    torch.distributed.init_process_group("pycoll", init_method="pycoll://")
 
-Importing registers the backend; under an MPI launcher it also sets torch's rendezvous
-variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) where unset, which is a
-collective: every rank imports pycoll.torch.
+Importing registers the "pycoll" backend and the ``pycoll://`` rendezvous and starts
+nothing: no MPI call, no environment variable set. The ranks meet in
+``init_process_group`` (or ``hvd.init()``).
 """
 from .api import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min,
                   Product, ProcessSet, Sum, add_process_set, allgather, allgather_async,
@@ -25,9 +25,8 @@ from .api import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, 
                   nccl_built, poll, rank, reducescatter, reducescatter_async,
                   remove_process_set, rocm_built, shutdown, size, sparse_allreduce_async,
                   start_timeline, stop_timeline, synchronize)
-from .backend import ProcessGroupPycoll, register as _register, set_rendezvous_env as _rendezvous
+from .backend import ProcessGroupPycoll, register as _register
 from .compression import Compression
 from .optimizer import DistributedOptimizer
 
 _register()
-_rendezvous()

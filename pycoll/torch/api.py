@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 import pycoll
-from pycoll import Average, Max, Min, Product, Sum, negotiation, runtime  # noqa: F401
+from pycoll import Average, Max, Min, Product, Sum, negotiation, ops, runtime  # noqa: F401
 
 from . import adasum as _adasum
 from .compression import Compression
@@ -426,7 +426,7 @@ def _reduction(op, average):
         return Average
     if op == Adasum:
         return Adasum
-    return pycoll.collectives.reduce_op(op)
+    return ops.reduce_op(op)
 
 
 def _op_name(op) -> str:

@@ -52,6 +52,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 from . import config, timeline
+from .work import lazy
 
 log = logging.getLogger("pycoll")
 
@@ -968,15 +969,7 @@ class _JobDir:
             pass
 
 
-_the_job: Optional[_JobDir] = None
-
-
-def _job() -> _JobDir:
-    global _the_job
-    with _emulator_lock:
-        if _the_job is None:
-            _the_job = _JobDir()
-        return _the_job
+_job = lazy(_JobDir)
 
 
 def _remove_stale(base: str, prefix: str, mine: str) -> None:
@@ -1007,16 +1000,7 @@ def _remove_stale(base: str, prefix: str, mine: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-_the_emulator: Optional[_Emulator] = None
-_emulator_lock = threading.RLock()
-
-
-def _emulator() -> _Emulator:
-    global _the_emulator
-    with _emulator_lock:
-        if _the_emulator is None:
-            _the_emulator = _Emulator()
-        return _the_emulator
+_emulator = lazy(_Emulator)
 
 
 def _message_bytes(buf) -> int:

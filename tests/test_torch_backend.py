@@ -6,13 +6,16 @@ group over the same ranks is created beside it, and every collective must give g
 result.
 """
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+import fakegpu  # noqa: E402
 import pycoll  # noqa: E402
 import pycoll.torch  # noqa: E402,F401  (registers the backend)
+from pycoll import runtime, tensors  # noqa: E402
 
 # all_gather_into_tensor and reduce_scatter_tensor are the names the issue (and most
 # code) uses; torch 2.13 deprecates them in favour of *_single, which run the same method.
@@ -297,6 +300,25 @@ def test_send_recv_with_a_bystander(world):
     elif rank == 1:
         dist.recv(got, src=0)
         assert torch.equal(got, torch.arange(4.0))
+    dist.barrier()
+
+
+def test_send_recv_of_gpu_memory_take_the_staging_path(world, monkeypatch):
+    """GPU memory (fake: host memory behind __cuda_array_interface__) travels through the
+    staging copy that collectives use: one copy out on the sender, one back on the receiver."""
+    rank, size = world
+    if size < 2:
+        pytest.skip("needs a peer")
+    copies = fakegpu.CountingStager()
+    monkeypatch.setattr(tensors, "stager", copies)
+    group = pycoll.torch.ProcessGroupPycoll(runtime.world())     # every rank makes it
+    if rank == 0:
+        group.send([fakegpu.FakeCudaArray(np.arange(4, dtype=np.float32))], 1).wait()
+    elif rank == 1:
+        got = fakegpu.FakeCudaArray(np.zeros(4, np.float32))
+        group.recv([got], 0).wait()
+        np.testing.assert_array_equal(got.get(), np.arange(4))
+    assert copies.calls == (rank < 2)
     dist.barrier()
 
 

@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Callable, List, Optional, Sequence
 from urllib.parse import parse_qsl, urlparse
 
@@ -48,6 +49,7 @@ import pycoll
 from pycoll import emulation, runtime
 from pycoll.ops import check_root
 from pycoll.tensors import as_buffer
+from pycoll.work import lazy
 
 from . import api
 
@@ -350,11 +352,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # ------------------------------------------------------------ point to point
     def send(self, tensors, dst, tag=0):
-        tensor = _one_tensor(tensors, "send")
-        comm = self._p2p()
-        host = tensor.detach().cpu().contiguous()
-        request = comm.Isend(_message(host), dest=dst, tag=tag)
-        return self._watch(request, lambda status: [tensor], host, f"send to rank {dst}")
+        tensor, comm, staging = _one_tensor(tensors, "send"), self._p2p(), ExitStack()
+        request = comm.Isend(_message(tensor, staging, write=False), dest=dst, tag=tag)
+        return self._watch(request, tensor, staging, f"send to rank {dst}")
 
     def recv(self, tensors, src, tag=0):
         return self._recv(_one_tensor(tensors, "recv"), src, tag)
@@ -364,27 +364,27 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._recv(_one_tensor(tensors, "recv"), MPI.ANY_SOURCE, tag)
 
     def _recv(self, tensor, src, tag):
-        comm = self._p2p()
-        host = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() \
-            else torch.empty(tensor.shape, dtype=tensor.dtype)
-        request = comm.Irecv(_message(host), source=src, tag=tag)
-
-        def finish(status):
-            if host is not tensor:
-                tensor.copy_(host)
-            return [tensor]
-        return self._watch(request, finish, host, "receive from " + (
+        comm, staging = self._p2p(), ExitStack()
+        request = comm.Irecv(_message(tensor, staging, write=True), source=src, tag=tag)
+        return self._watch(request, tensor, staging, "receive from " + (
             f"rank {src}" if src >= 0 else "any rank"))
 
-    def _watch(self, request, finish, keep, what: str) -> PycollWork:
+    def _watch(self, request, tensor, staging: ExitStack, what: str) -> PycollWork:
+        """The Work of ``request``, which MPI runs on ``tensor``'s memory or on the staging
+        copy that ``staging`` holds until the request is done (then closed: a received
+        message is copied into the tensor)."""
         work = pycoll.Work(f"torch {what} in {self.group}")
+
+        def finish(status):
+            staging.close()
+            return [tensor]
 
         def timed_out(error):
             if self._p2p_failure is None:
                 self._p2p_failure = error
             request.Cancel()        # the poller completes it, so its buffer outlives it
         future = torch.futures.Future()
-        _poller().watch(request, work, future, finish, keep)
+        _poller().watch(request, work, future, finish, staging)
         return PycollWork(future, work, self._timeout, on_timeout=timed_out)
 
     def _p2p(self):
@@ -410,10 +410,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"
 
 
-def _message(tensor: torch.Tensor):
+def _message(tensor, staging: ExitStack, write: bool):
+    """MPI's view of ``tensor`` (contiguous, as gloo and NCCL require for send and recv):
+    its own memory on the host; GPU memory through the staging copy collectives use,
+    entered on ``staging`` (it copies a received message back when closed)."""
     from mpi4py import MPI
-    buf = as_buffer(tensor)
-    return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), MPI.BYTE]
+    from pycoll.collectives import staged           # imports MPI: not at pycoll.torch's import
+    buf = as_buffer(tensor, writable=write)
+    ptr = buf.ptr if buf.device == "cpu" else \
+        staging.enter_context(staged(buf, read=not write, write=write))
+    return [MPI.buffer.fromaddress(ptr, buf.nbytes), MPI.BYTE]
 
 
 class _Poller:
@@ -479,16 +485,7 @@ class _Poller:
         _callbacks.submit(future.set_result, value)
 
 
-_the_poller: Optional[_Poller] = None
-_poller_lock = threading.Lock()
-
-
-def _poller() -> _Poller:
-    global _the_poller
-    with _poller_lock:
-        if _the_poller is None:
-            _the_poller = _Poller()
-        return _the_poller
+_poller = lazy(_Poller)
 
 
 # ---------------------------------------------------------------- registration

@@ -785,10 +785,12 @@ class _Emulator:
         heapq.heappush(self.sending, (max(entry.due, entry.taken), next(self.order), entry))
 
     def _candidates(self, waiting) -> list:
-        """The receive queues that could take the messages whose records wait."""
+        """The receive queues that could take the messages whose records wait (a probed
+        message's receive too: left to the FALLBACK_S sweep, each cost up to 10 ms)."""
         found = []
         for cid, src, tag in waiting:
-            for key in ((cid, src, tag), (cid, -1, tag), (cid, src, -1), (cid, -1, -1)):
+            for key in ((cid, src, tag, "matched"), (cid, src, tag), (cid, -1, tag),
+                        (cid, src, -1), (cid, -1, -1)):
                 if key in self.receiving and key not in found:
                     found.append(key)
         return found
@@ -1048,7 +1050,7 @@ def _make_comm_class():
             self._message.Recv(buf, status)
             self._comm._arrived(self._key)
 
-        def Irecv(self, buf):               # matched already: tested every FALLBACK_S
+        def Irecv(self, buf):               # tested while its record waits
             return self._comm._hold_receive(self._message.Irecv(buf), *self._key[1:],
                                             matched=True)
 

@@ -90,7 +90,7 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(1)                  # ranks share the cores
-    dist.init_process_group("pycoll")
+    dist.init_process_group("pycoll", init_method="pycoll://")
     gloo = dist.new_group(backend="gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":

@@ -4,8 +4,8 @@
     pycollrun -np 4 python examples/ddp_digits.py --backend gloo      # the same on gloo
     pycollrun -np 4 python examples/ddp_digits.py --synthetic         # throughput benchmark
 
-``import pycoll.torch`` registers the backend and, under pycollrun, fills in torch's
-rendezvous variables, so ``init_process_group("pycoll")`` needs no set-up. Each rank
+``import pycoll.torch`` registers the backend and the ``pycoll://`` rendezvous (over MPI,
+for any backend), so ``init_process_group`` needs no set-up under pycollrun. Each rank
 takes its share of every global batch; DDP averages the gradients, so any number of
 ranks trains the same model as one process. ``--synthetic`` trains a wider MLP on
 random data and prints samples per second.
@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50, help="steps timed with --synthetic")
     args = parser.parse_args()
 
-    dist.init_process_group(args.backend)
+    dist.init_process_group(args.backend, init_method="pycoll://")
     torch.set_num_threads(1)                          # ranks share the cores
     rank, size = dist.get_rank(), dist.get_world_size()
     model = mlp(seed=0, hidden=args.hidden or (8192 if args.synthetic else 64))

@@ -14,12 +14,13 @@ from .hetero import slowdown, slowdown_factor
 from .runtime import (Group, init, is_initialized, local_rank, local_size, new_group, rank,
                       shutdown, size)
 from .inspector import CollectiveMismatch
+from .ops import Average, Max, Min, Product, ReduceOp, Sum
 from .work import CollectiveTimeout, GroupBroken, Work
 
 __version__ = "0.1.0"
 
+_OPS = ("ReduceOp", "Sum", "Average", "Min", "Max", "Product")
 _COLLECTIVES = (
-    "ReduceOp", "Sum", "Average", "Min", "Max", "Product",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async",
@@ -32,7 +33,8 @@ _PARTIAL = ("partial_allreduce", "partial_allreduce_", "partial_allreduce_async"
 
 __all__ = ["configure", "slowdown", "slowdown_factor", "Group", "init", "is_initialized",
            "local_rank", "local_size", "new_group", "rank", "shutdown", "size",
-           "CollectiveMismatch", "CollectiveTimeout", "GroupBroken", "Work", "has_cuda", *_COLLECTIVES, *_PARTIAL]
+           "CollectiveMismatch", "CollectiveTimeout", "GroupBroken", "Work", "has_cuda", *_OPS,
+           *_COLLECTIVES, *_PARTIAL]
 
 
 def has_cuda() -> bool:

@@ -6,7 +6,6 @@ returns the result, ``allreduce_async`` returns a ``Work``. Trailing-underscore 
 work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
-import enum
 import itertools
 import math
 import zlib
@@ -17,20 +16,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, emulation, runtime, tensors, timeline
+from .ops import (Average, Max, Min, Product, ReduceOp, Sum, check_reduction,  # noqa: F401
+                  check_root, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
-
-class ReduceOp(str, enum.Enum):
-    SUM = "sum"
-    AVERAGE = "average"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "prod"
-
-
-Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN,
-                                   ReduceOp.MAX, ReduceOp.PRODUCT)
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
 # float16 and bfloat16 travel as 16-bit words; MPI cannot reduce them, _C.reduce can.
@@ -38,16 +28,6 @@ _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.
               "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
               "int32": MPI.INT32_T, "int64": MPI.INT64_T, "uint8": MPI.UINT8_T}
 _half_ops: dict = {}
-
-
-def reduce_op(op) -> ReduceOp:
-    if op.__class__ is ReduceOp:
-        return op
-    try:
-        return ReduceOp(op)
-    except ValueError:
-        raise ValueError(f"unknown reduction {op!r}; use pycoll.Sum, Average, Min, Max "
-                         "or Product") from None
 
 
 def mpi_op(op: ReduceOp, dtype: str):
@@ -61,12 +41,6 @@ def mpi_op(op: ReduceOp, dtype: str):
                       kernel_op)
         _half_ops[dtype, kernel_op] = MPI.Op.Create(reduce_half, commute=True)
     return _half_ops[dtype, kernel_op]
-
-
-def check_reduction(op: ReduceOp, dtype: str) -> None:
-    if op is Average and dtype not in tensors.FLOATS:
-        raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
-                        "and divide, or cast to a float dtype")
 
 
 _MAX_COUNT = 2**31 - 1            # MPI counts are C ints
@@ -495,12 +469,6 @@ def _plan_broadcast(x, root, group, name, inplace):
                 grp.comm.Bcast(message(d + offset, nbytes), root=root)
         return out
     return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
-
-
-def check_root(root, grp: runtime.Group, what: str = "root") -> None:
-    """``root`` (a rank of ``grp``; ``what`` names it in the error) is one of its ranks."""
-    if not isinstance(root, (int, np.integer)) or not 0 <= root < grp.size():
-        raise ValueError(f"{what} must be a rank in [0, {grp.size()}), got {root!r}")
 
 
 def _split_rows(rows: int, parts: int) -> List[int]:

@@ -52,6 +52,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 from . import config, timeline
+from .work import lazy
 
 log = logging.getLogger("pycoll")
 
@@ -817,10 +818,11 @@ class _Emulator:
         heapq.heappush(self.sending, (max(entry.due, entry.taken), next(self.order), entry))
 
     def _candidates(self, waiting) -> list:
-        """The receive queues that could take the messages whose records wait."""
+        """The receive queues that could take the messages whose records wait (a probed
+        message's receive too: left to the FALLBACK_S sweep, each cost up to 10 ms)."""
         found = []
         for cid, src, tag in waiting:
-            for key in ((cid, src, tag), (cid, src, tag, "matched"), (cid, -1, tag),
+            for key in ((cid, src, tag, "matched"), (cid, src, tag), (cid, -1, tag),
                         (cid, src, -1), (cid, -1, -1)):
                 if key in self.receiving and key not in found:
                     found.append(key)
@@ -1002,15 +1004,7 @@ class _JobDir:
             pass
 
 
-_the_job: Optional[_JobDir] = None
-
-
-def _job() -> _JobDir:
-    global _the_job
-    with _emulator_lock:
-        if _the_job is None:
-            _the_job = _JobDir()
-        return _the_job
+_job = lazy(_JobDir)
 
 
 def _remove_stale(base: str, prefix: str, mine: str) -> None:
@@ -1041,16 +1035,7 @@ def _remove_stale(base: str, prefix: str, mine: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-_the_emulator: Optional[_Emulator] = None
-_emulator_lock = threading.RLock()
-
-
-def _emulator() -> _Emulator:
-    global _the_emulator
-    with _emulator_lock:
-        if _the_emulator is None:
-            _the_emulator = _Emulator()
-        return _the_emulator
+_emulator = lazy(_Emulator)
 
 
 def _message_bytes(buf) -> int:
@@ -1098,7 +1083,7 @@ def _make_comm_class():
             self._message.Recv(buf, status)
             self._comm._arrived(self._key)
 
-        def Irecv(self, buf):               # matched already: its record waits too
+        def Irecv(self, buf):               # tested while its record waits
             return self._comm._hold_receive(self._message.Irecv(buf), *self._key[1:],
                                             matched=True)
 

@@ -38,14 +38,14 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import config, runtime
 from .inspector import CollectiveMismatch
-from .work import CollectiveTimeout, GroupBroken, Work
+from .work import CollectiveTimeout, GroupBroken, Work, poll
 
 log = logging.getLogger("pycoll")
 
 CACHE_CAPACITY = 1024     # Horovod's default; the oldest entry makes room (same on every rank)
 _TAGS = 32768             # tags cycle with the cycle number
 _SPIN_S = 2e-4            # waits poll without sleeping this long (a healthy peer answers by then)
-_PAUSE_S = 1e-3           # then sleep up to this between polls: Horovod's cycle time
+_PAUSE_S = 1e-3           # the longest pause between idle cycles: Horovod's cycle time
 _ERRORS = {"mismatch": CollectiveMismatch, "timeout": CollectiveTimeout, "broken": GroupBroken}
 
 
@@ -420,34 +420,32 @@ class Negotiator:
         timeout = config.get("timeout")
         if self.rank != 0:
             self._sends.append(self.comm.isend(message, dest=0, tag=tag))
-            found = self._poll(lambda: self.comm.improbe(source=0, tag=tag), timeout + 2.0)
-            if found is None and self._stopping:
-                raise ValueError(f"pycoll: negotiation on {self.group} was shut down")
-            if found is None:
-                raise CollectiveTimeout(
-                    f"pycoll: rank {self.group.ranks[0]}, which coordinates negotiation on "
-                    f"{self.group}, did not answer within {timeout:g} s (PYCOLL_TIMEOUT): it "
-                    "submitted nothing in that time (it skipped these operations or is stuck "
-                    "elsewhere), or it died")
+            found = poll(lambda: self._unless_stopping(self.comm.improbe(source=0, tag=tag)),
+                         time.monotonic() + timeout + 2.0, lambda: (
+                             f"pycoll: rank {self.group.ranks[0]}, which coordinates negotiation "
+                             f"on {self.group}, did not answer within {timeout:g} s "
+                             "(PYCOLL_TIMEOUT): it submitted nothing in that time (it skipped "
+                             "these operations or is stuck elsewhere), or it died"), spin=_SPIN_S)
             return found.recv()
         messages: List[Optional[tuple]] = [message] + [None] * (self.size - 1)
 
-        def arrived() -> bool:
+        def arrived() -> Optional[bool]:
             for r, m in enumerate(messages):
                 if m is None:
                     found = self.comm.improbe(source=r, tag=tag)
                     if found is not None:
                         messages[r] = found.recv()
-            return all(m is not None for m in messages)
+            return self._unless_stopping(True if all(m is not None for m in messages) else None)
 
         def stalled() -> None:
             missing = [self.group.ranks[r] for r, m in enumerate(messages) if m is None]
             log.warning("pycoll: negotiation on %s has waited %g s for ranks %s, which "
                         "submitted nothing; pending here: %s", self.group,
                         config.get("stall_warning_s"), missing, self._names(messages))
-        if self._poll(arrived, timeout, stalled) is None:
-            if self._stopping:
-                raise ValueError(f"pycoll: negotiation on {self.group} was shut down")
+        try:
+            poll(arrived, time.monotonic() + timeout, lambda: "",
+                 (config.get("stall_warning_s"), stalled), spin=_SPIN_S)
+        except CollectiveTimeout:
             missing = [self.group.ranks[r] for r, m in enumerate(messages) if m is None]
             why = (f"ranks {missing} took no part in negotiation on {self.group} within "
                    f"{timeout:g} s (PYCOLL_TIMEOUT) while ranks had {self._names(messages)} "
@@ -468,24 +466,11 @@ class Negotiator:
                 names += [request.name for request in m[1]]
         return sorted(set(names))
 
-    def _poll(self, probe: Callable[[], Any], timeout: float, stall=None):
-        """``probe()`` until it returns something truthy (returned) or ``timeout`` passes
-        (None); ``stall()`` once past PYCOLL_STALL_WARNING_S."""
-        start, pause = time.monotonic(), 0.0
-        stall_s = config.get("stall_warning_s")
-        while True:
-            found = probe()
-            if found:
-                return found
-            waited = time.monotonic() - start
-            if waited >= timeout or self._stopping:
-                return None
-            if stall is not None and waited >= stall_s:
-                stall()
-                stall = None
-            # sleep(0) still lets the threads that compute take the GIL
-            pause = 0.0 if waited < _SPIN_S else min(max(2 * pause, 2e-5), _PAUSE_S)
-            time.sleep(pause)
+    def _unless_stopping(self, found):
+        """``found``, or the end of a wait that shutdown() cut short."""
+        if found is None and self._stopping:
+            raise ValueError(f"pycoll: negotiation on {self.group} was shut down")
+        return found
 
     def _apply(self, answer: _Answer) -> bool:
         """Start what the answer says, in its order; True if anything ran or failed."""

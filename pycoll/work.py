@@ -1,9 +1,11 @@
 """The handle of an operation that may still be running."""
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, TypeVar
 
 from . import config
+
+T = TypeVar("T")
 
 
 class CollectiveTimeout(TimeoutError):
@@ -82,40 +84,56 @@ class Work:
         return f"<pycoll.Work {self.name} {state}>"
 
 
-def poll(test: Callable[[], Any], deadline: float, late: Callable[[], str]) -> Any:
+def poll(test: Callable[[], Any], deadline: float, late: Callable[[], str],
+         stall=None, spin: float = 0.0) -> Any:
     """The one wait with a deadline for what MPI cannot wait on with one: call ``test``
     until it returns something other than None and return that; past ``deadline``
-    (``time.monotonic()``), raise ``CollectiveTimeout(late())``. Sleeps between tries,
-    growing to 1 ms: ranks may outnumber cores, and a spinning waiter would starve the
-    ranks it waits for."""
-    delay = 0.0
+    (``time.monotonic()``), raise ``CollectiveTimeout(late())``. ``stall`` = (seconds,
+    callback()) fires once when the wait has lasted that long. The first ``spin`` seconds
+    only yield the GIL (a peer that answers at once is not kept waiting for a sleep);
+    then sleeps between tries grow to 1 ms: ranks may outnumber cores, and a spinning
+    waiter would starve the ranks it waits for."""
+    start, delay = time.monotonic(), 0.0
     while True:
         result = test()
         if result is not None:
             return result
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise CollectiveTimeout(late())
+        if stall is not None and now - start >= stall[0]:
+            stall, fire = None, stall[1]
+            fire()
         time.sleep(delay)
-        delay = min(max(2 * delay, 1e-5), 1e-3)
+        if now - start >= spin:
+            delay = min(max(2 * delay, 1e-5), 1e-3)
 
 
 def wait_requests(requests, timeout: float, stall=None) -> List[int]:
     """Wait for MPI ``requests`` at most ``timeout`` s (``poll``'s sleeps); the indices of
     those still pending. ``stall`` = (seconds, callback(pending indices)) fires once."""
     pending = list(range(len(requests)))
-    start = time.monotonic()
 
     def test():
-        nonlocal stall
         pending[:] = [i for i in pending if not requests[i].Test()]
-        if not pending:
-            return True
-        if stall is not None and time.monotonic() - start >= stall[0]:
-            stall, fire = None, stall[1]
-            fire(pending)
-        return None
+        return True if not pending else None
     try:
-        poll(test, start + timeout, lambda: "")
+        poll(test, time.monotonic() + timeout, lambda: "",
+             stall and (stall[0], lambda: stall[1](pending)))
     except CollectiveTimeout:
         return pending
     return []
+
+
+def lazy(make: Callable[[], T]) -> Callable[[], T]:
+    """A function returning ``make()``'s one result, made at the first call from
+    whichever thread asks first (a process's singletons: made only when used)."""
+    lock, made = threading.Lock(), []
+
+    def get() -> T:
+        if not made:
+            with lock:
+                if not made:
+                    made.append(make())
+        return made[0]
+    return get

@@ -56,7 +56,7 @@ def torch_job():
     import torch
     import torch.distributed as dist
     import pycoll.torch                         # noqa: F401  (registers the backend)
-    dist.init_process_group("pycoll")
+    dist.init_process_group("pycoll", init_method="pycoll://")
     rank = dist.get_rank()
     t = torch.full((MESSAGE // 4,), float(rank))
     dist.barrier()

@@ -12,7 +12,7 @@ import pycoll
 import pycoll.ps as ps
 from pycoll.overlap import SCHEDULES, plan as planner
 
-STEPS = 10
+STEPS = 7              # iPart: profiled at 1, plan 1 after it, re-planned at 3-4
 SCHEDULE = [None]        # the running schedule, for the layers' checks
 
 
@@ -65,7 +65,7 @@ def train(schedule):
 
 
 def main():
-    pycoll.configure(ipart_grain=16 << 10, ipart_profile_steps=2, ipart_replan_every=2,
+    pycoll.configure(ipart_grain=16 << 10, ipart_profile_steps=1, ipart_replan_every=1,
                      ipart_drift=1e-9)
     servers = pycoll.config.get("servers")
     if MPI.COMM_WORLD.rank >= MPI.COMM_WORLD.size - servers:

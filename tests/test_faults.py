@@ -192,7 +192,8 @@ def test_send_recv_timeout_breaks_point_to_point_only(tmp_path):
     code, text = job(tmp_path, """
         import datetime, torch, torch.distributed as dist
         import pycoll.torch
-        dist.init_process_group("pycoll", timeout=datetime.timedelta(seconds=1))
+        dist.init_process_group("pycoll", init_method="pycoll://",
+                                timeout=datetime.timedelta(seconds=1))
         if rank == 1:
             got = torch.zeros(2)
             start = time.monotonic()

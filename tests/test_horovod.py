@@ -29,12 +29,10 @@ def started():
 def names_in_step():
     """Unnamed operations are named by a per-process count, as in Horovod, so a test
     whose ranks issue different numbers of operations (join, a name on one rank only)
-    would leave later unnamed names out of step (in Horovod too). After each test every
-    rank takes the highest count, so the next test starts as in a fresh job."""
+    would leave later unnamed names out of step (in Horovod too): after each test the
+    ranks align them."""
     yield
-    counts, key = hvd.api._handles._counts, hvd.global_process_set.process_set_id
-    top = hvd.allreduce(torch.tensor([counts.get(key, 0)]), op=hvd.Max, name="names.in.step")
-    counts[key] = int(top.item())
+    hvd.align_names()
 
 
 def values(rank, n=6, dtype=torch.float32, seed=0):

@@ -1,18 +1,21 @@
 """The "pycoll" torch.distributed backend against gloo, and DDP on it (any rank count).
 
-The default process group is pycoll's (``init_process_group("pycoll")`` with no
-rendezvous set-up: importing pycoll.torch provides it under MPI); a gloo group over the
-same ranks is created beside it, and every collective must give gloo's result.
+The default process group is pycoll's (``init_process_group("pycoll",
+init_method="pycoll://")``: the rendezvous runs over MPI, nothing to set up); a gloo
+group over the same ranks is created beside it, and every collective must give gloo's
+result.
 """
-import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+import fakegpu  # noqa: E402
 import pycoll  # noqa: E402
 import pycoll.torch  # noqa: E402,F401  (registers the backend)
+from pycoll import runtime, tensors  # noqa: E402
 
 # all_gather_into_tensor and reduce_scatter_tensor are the names the issue (and most
 # code) uses; torch 2.13 deprecates them in favour of *_single, which run the same method.
@@ -25,7 +28,7 @@ _groups = {}
 @pytest.fixture(scope="module")
 def world():
     if not dist.is_initialized():
-        dist.init_process_group("pycoll")
+        dist.init_process_group("pycoll", init_method="pycoll://")
     assert dist.get_backend() == "pycoll"
     assert (dist.get_rank(), dist.get_world_size()) == (pycoll.rank(), pycoll.size())
     return dist.get_rank(), dist.get_world_size()
@@ -275,10 +278,13 @@ def test_ddp_replicas_identical_and_equal_to_one_process(groups, overlap):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_rendezvous_variables_come_from_mpi(world):
+def test_pycoll_rendezvous_takes_rank_and_size_from_mpi(world):
+    """pycoll:// gives every rank one shared store (the gloo groups beside pycoll's meet
+    through it) and refuses a rank that is not MPI's, on every rank, before any MPI call."""
     rank, size = world
-    assert os.environ["RANK"] == str(rank) and os.environ["WORLD_SIZE"] == str(size)
-    assert int(os.environ["MASTER_PORT"]) > 0
+    from torch.distributed.rendezvous import rendezvous
+    with pytest.raises(ValueError, match=f"this process is rank {rank} of {size}, but rank=7"):
+        next(rendezvous("pycoll://", rank=7))
 
 
 # ---------------------------------------------------------------- point to point
@@ -294,6 +300,25 @@ def test_send_recv_with_a_bystander(world):
     elif rank == 1:
         dist.recv(got, src=0)
         assert torch.equal(got, torch.arange(4.0))
+    dist.barrier()
+
+
+def test_send_recv_of_gpu_memory_take_the_staging_path(world, monkeypatch):
+    """GPU memory (fake: host memory behind __cuda_array_interface__) travels through the
+    staging copy that collectives use: one copy out on the sender, one back on the receiver."""
+    rank, size = world
+    if size < 2:
+        pytest.skip("needs a peer")
+    copies = fakegpu.CountingStager()
+    monkeypatch.setattr(tensors, "stager", copies)
+    group = pycoll.torch.ProcessGroupPycoll(runtime.world())     # every rank makes it
+    if rank == 0:
+        group.send([fakegpu.FakeCudaArray(np.arange(4, dtype=np.float32))], 1).wait()
+    elif rank == 1:
+        got = fakegpu.FakeCudaArray(np.zeros(4, np.float32))
+        group.recv([got], 0).wait()
+        np.testing.assert_array_equal(got.get(), np.arange(4))
+    assert copies.calls == (rank < 2)
     dist.barrier()
 
 

@@ -9,16 +9,20 @@ consecutive pieces: small layers merge, large ones split. A plan covers every pi
 
 Cost model, one worker, one iteration (layers l = 1..L in forward order, forward time
 F_l, backward time B_l, measured):
-- A partition P costs c(P) = alpha + bytes(P) / beta on the link: its gradients'
-  allreduce, or its push and pull to the parameter server; alpha and beta are fitted to
-  transfers timed when planning (under ``--link``, the emulated link's times).
+- A partition P costs c(P) = alpha + bytes(P) / beta in each of its stages: one for
+  allreduce (its gradients' allreduce), two for the parameter server (its push, then
+  its pull: the two directions of the links, so the pull of one partition overlaps the
+  push of the next); alpha and beta are fitted to transfers timed when planning (under
+  ``--link``, the emulated link's times).
 - Backward runs L..1. Partition k may go once every layer it holds pieces of is done
-  backward; partitions go one at a time in the order K..1 (every rank the same order),
-  so partition k starts at max(ready_k, end_{k+1}) and ends c(P_k) later.
+  backward; partitions go one at a time in the order K..1 (every rank the same order)
+  through each stage, so partition k enters a stage at max(its end of the stage before
+  (ready_k for the first), the end of partition k+1 in this stage) and leaves it c(P_k)
+  later.
 - The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
   holding its pieces has arrived. Step time T = the end of the last forward, counted from
-  the start of backward. K = 1 is the default schedule, T = B + c(all) + F; the overlap
-  bound is max(B + F, c(all)); what T exceeds B + F by is exposed communication.
+  the start of backward. K = 1 is the default schedule, T = B + stages * c(all) + F; the
+  overlap bound is max(B + F, c(all)); what T exceeds B + F by is exposed communication.
 
 Greedy (after the iPart paper, TPDS 2021): P_1 is the first layer's pieces (small: it
 goes last and is needed first, so its transfer is the exposed tail). Each next
@@ -60,8 +64,9 @@ Partition = Tuple[Piece, ...]
 class Profile:
     forward: List[float]       # F_l per layer (seconds), indexed like Tensor.layer
     backward: List[float]      # B_l
-    alpha: float               # seconds per partition
+    alpha: float               # seconds per partition and stage
     beta: float                # bytes per second
+    stages: int = 1            # 1: allreduce; 2: the PS's push, then pull
 
 
 def pieces(tensors: Sequence[Tensor], order: Sequence[int], grain: int) -> List[Piece]:
@@ -114,11 +119,13 @@ def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Seque
     for layer in reversed(order):
         t += profile.backward[layer]
         done[layer] = t
-    backward_end, end = t, 0.0
+    backward_end, free = t, [0.0] * profile.stages     # when each stage is next free
     arrived = {layer: 0.0 for layer in order}
     for part in reversed(parts):
-        ready = max(done[tensors[p.tensor].layer] for p in part)
-        end = max(ready, end) + profile.alpha + nbytes(part, tensors) / profile.beta
+        end = max(done[tensors[p.tensor].layer] for p in part)
+        for stage in range(profile.stages):
+            end = free[stage] = max(end, free[stage]) + profile.alpha + \
+                nbytes(part, tensors) / profile.beta
         for p in part:
             layer = tensors[p.tensor].layer
             arrived[layer] = max(arrived[layer], end)

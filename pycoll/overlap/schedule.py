@@ -6,7 +6,8 @@ training (``pycoll.torch.DistributedOptimizer``); a transport (``transports``, m
 rows and returns a handle; ``complete(k, handle)`` waits for it and puts the result in
 place (the PS pulled parameters, allreduce's per-parameter update once all its rows are
 in). ``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls
-it together), so the planner can fit alpha and beta.
+it together), so the planner can fit alpha and beta; ``stages`` is how many such
+transfers a partition makes one after the other (``plan``'s cost model).
 
 - Backward: a hook on every parameter notes its gradient; partition k is issued once
   every tensor it holds rows of has its gradient and partitions K..k+1 are issued, so
@@ -180,7 +181,8 @@ class Schedule:
             n = max(self._profiled, 1)
             order = self._forward_order + [l for l in range(len(self.modules))
                                            if l not in self._forward_order]
-            profile = Profile([f / n for f in self._fwd], [b / n for b in self._bwd], alpha, beta)
+            profile = Profile([f / n for f in self._fwd], [b / n for b in self._bwd], alpha, beta,
+                              self.transport.stages)
             if self._profiled_steps:
                 profile = planner.calibrate(self.plan.parts, self.tensors, self.plan.order,
                                             profile, statistics.median(self._profiled_steps))

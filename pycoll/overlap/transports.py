@@ -47,6 +47,7 @@ class Allreduce:
     unpacks each into the parameter's reduced gradient, and once all of a parameter's
     rows are in, ``step(params, grads)`` updates those parameters (the user's optimizer
     on them alone), so the result is synchronous training's."""
+    stages = 1
 
     def __init__(self, params: Sequence[torch.Tensor], allreduce_async: Callable,
                  wait: Callable, step: Callable):
@@ -104,7 +105,9 @@ class ParameterServer:
     ``<name>[lo:hi]``), declared once: plans only regroup them. Partition k's gradient
     rows are packed (compiled) into one buffer per dtype, from which its push_pull sends
     them, so the gradients may change once it is issued; the answer lands in the
-    parameters' rows in place."""
+    parameters' rows in place. Two stages: the push, then the pull (each link's two
+    directions, so one partition's pull overlaps the next one's push)."""
+    stages = 2
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str],
                  pieces: Sequence[Piece], push_pull: Callable, pull: Callable):
@@ -142,8 +145,7 @@ class ParameterServer:
         work.wait()
 
     def probe(self, nbytes: int) -> float:
-        """A pull of keys holding about ``nbytes`` (into scratch), doubled: a partition's
-        cost is a push and a pull."""
+        """A pull of keys holding about ``nbytes`` (into scratch): one stage's cost."""
         chosen, total = [], 0
         for q in sorted(self.keys, key=lambda q: self.views[q].numel() * self.views[q].element_size()):
             if chosen and total >= nbytes:
@@ -152,4 +154,4 @@ class ParameterServer:
             total += self.views[q].numel() * self.views[q].element_size()
         start = time.perf_counter()
         self.pull(chosen).wait()
-        return 2 * (time.perf_counter() - start)
+        return time.perf_counter() - start

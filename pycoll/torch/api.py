@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 import pycoll
-from pycoll import Average, Max, Min, Product, Sum, negotiation, runtime  # noqa: F401
+from pycoll import Average, Max, Min, Product, Sum, negotiation, ops, runtime  # noqa: F401
 
 from . import adasum as _adasum
 from .compression import Compression
@@ -325,6 +325,15 @@ class _Handles:
                 self._counts.get(process_set.process_set_id, 0) + 1
         return next(self._next), name if name is not None else f"{kind}.noname.{count}"
 
+    def count(self, process_set: "ProcessSet") -> int:
+        with self._lock:
+            return self._counts.get(process_set.process_set_id, 0)
+
+    def resume(self, process_set: "ProcessSet", count: int) -> None:
+        """Name later unnamed operations on ``process_set`` from ``count`` on."""
+        with self._lock:
+            self._counts[process_set.process_set_id] = count
+
     def check(self, name: str) -> None:
         ticket = self._running.get(name)
         if ticket is not None and not ticket.is_completed():
@@ -363,6 +372,17 @@ class _Handles:
 
 
 _handles = _Handles()
+
+
+def align_names(process_set=global_process_set) -> None:
+    """pycoll's own: after the members of ``process_set`` issued different numbers of
+    operations on it (a ``join``, an operation some ranks skipped), name their later
+    unnamed operations alike again, each continuing from the highest count. Collective
+    over the set's members. Horovod has no such call: there the names stay apart."""
+    _member(process_set)
+    top = allreduce(torch.tensor([_handles.count(process_set)]), op=Max,
+                    name="pycoll.align_names", process_set=process_set)
+    _handles.resume(process_set, int(top.item()))
 
 
 def synchronize(handle: int):
@@ -426,7 +446,7 @@ def _reduction(op, average):
         return Average
     if op == Adasum:
         return Adasum
-    return pycoll.collectives.reduce_op(op)
+    return ops.reduce_op(op)
 
 
 def _op_name(op) -> str:

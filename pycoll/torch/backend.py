@@ -1,8 +1,11 @@
 """The "pycoll" torch.distributed backend: a Python ``ProcessGroup`` over pycoll.
 
-    import pycoll.torch                     # registers the backend
-    torch.distributed.init_process_group("pycoll")
+    import pycoll.torch                     # registers the backend; no MPI call
+    torch.distributed.init_process_group("pycoll", init_method="pycoll://")
     model = torch.nn.parallel.DistributedDataParallel(model)
+
+``pycoll://`` is a rendezvous over MPI, made when the process group is (any torch
+backend may use it); torch's own ``env://`` works too where its variables are set.
 
 Every collective is issued to pycoll's engine as an async operation, followed by a
 small completion step queued behind it: the engine runs operations in issue order, so
@@ -30,25 +33,27 @@ communicator: a late message must never be taken for a later one's.
 """
 import atexit
 import datetime
-import os
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Callable, List, Optional, Sequence
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import register_rendezvous_handler
 
 import pycoll
 from pycoll import emulation, runtime
-from pycoll.collectives import check_root
+from pycoll.ops import check_root
 from pycoll.tensors import as_buffer
+from pycoll.work import lazy
 
 from . import api
 
 BACKEND = "pycoll"
-_LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 
 
 def reduce_op(op) -> "pycoll.ReduceOp":
@@ -347,11 +352,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     # ------------------------------------------------------------ point to point
     def send(self, tensors, dst, tag=0):
-        tensor = _one_tensor(tensors, "send")
-        comm = self._p2p()
-        host = tensor.detach().cpu().contiguous()
-        request = comm.Isend(_message(host), dest=dst, tag=tag)
-        return self._watch(request, lambda status: [tensor], host, f"send to rank {dst}")
+        tensor, comm, staging = _one_tensor(tensors, "send"), self._p2p(), ExitStack()
+        request = comm.Isend(_message(tensor, staging, write=False), dest=dst, tag=tag)
+        return self._watch(request, tensor, staging, f"send to rank {dst}")
 
     def recv(self, tensors, src, tag=0):
         return self._recv(_one_tensor(tensors, "recv"), src, tag)
@@ -361,27 +364,27 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._recv(_one_tensor(tensors, "recv"), MPI.ANY_SOURCE, tag)
 
     def _recv(self, tensor, src, tag):
-        comm = self._p2p()
-        host = tensor if tensor.device.type == "cpu" and tensor.is_contiguous() \
-            else torch.empty(tensor.shape, dtype=tensor.dtype)
-        request = comm.Irecv(_message(host), source=src, tag=tag)
-
-        def finish(status):
-            if host is not tensor:
-                tensor.copy_(host)
-            return [tensor]
-        return self._watch(request, finish, host, "receive from " + (
+        comm, staging = self._p2p(), ExitStack()
+        request = comm.Irecv(_message(tensor, staging, write=True), source=src, tag=tag)
+        return self._watch(request, tensor, staging, "receive from " + (
             f"rank {src}" if src >= 0 else "any rank"))
 
-    def _watch(self, request, finish, keep, what: str) -> PycollWork:
+    def _watch(self, request, tensor, staging: ExitStack, what: str) -> PycollWork:
+        """The Work of ``request``, which MPI runs on ``tensor``'s memory or on the staging
+        copy that ``staging`` holds until the request is done (then closed: a received
+        message is copied into the tensor)."""
         work = pycoll.Work(f"torch {what} in {self.group}")
+
+        def finish(status):
+            staging.close()
+            return [tensor]
 
         def timed_out(error):
             if self._p2p_failure is None:
                 self._p2p_failure = error
             request.Cancel()        # the poller completes it, so its buffer outlives it
         future = torch.futures.Future()
-        _poller().watch(request, work, future, finish, keep)
+        _poller().watch(request, work, future, finish, staging)
         return PycollWork(future, work, self._timeout, on_timeout=timed_out)
 
     def _p2p(self):
@@ -407,10 +410,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"
 
 
-def _message(tensor: torch.Tensor):
+def _message(tensor, staging: ExitStack, write: bool):
+    """MPI's view of ``tensor`` (contiguous, as gloo and NCCL require for send and recv):
+    its own memory on the host; GPU memory through the staging copy collectives use,
+    entered on ``staging`` (it copies a received message back when closed)."""
     from mpi4py import MPI
-    buf = as_buffer(tensor)
-    return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), MPI.BYTE]
+    from pycoll.collectives import staged           # imports MPI: not at pycoll.torch's import
+    buf = as_buffer(tensor, writable=write)
+    ptr = buf.ptr if buf.device == "cpu" else \
+        staging.enter_context(staged(buf, read=not write, write=write))
+    return [MPI.buffer.fromaddress(ptr, buf.nbytes), MPI.BYTE]
 
 
 class _Poller:
@@ -476,16 +485,7 @@ class _Poller:
         _callbacks.submit(future.set_result, value)
 
 
-_the_poller: Optional[_Poller] = None
-_poller_lock = threading.Lock()
-
-
-def _poller() -> _Poller:
-    global _the_poller
-    with _poller_lock:
-        if _the_poller is None:
-            _the_poller = _Poller()
-        return _the_poller
+_poller = lazy(_Poller)
 
 
 # ---------------------------------------------------------------- registration
@@ -523,36 +523,38 @@ def _group_timeout(timeout) -> Optional[float]:
     return seconds
 
 
-def _launched_by_mpi() -> bool:
-    return any(name in os.environ for name in _LAUNCHER_SIZE_VARIABLES)
-
-
-def set_rendezvous_env() -> None:
-    """Under an MPI launcher, give torch's ``env://`` rendezvous what it asks for:
-    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from pycoll, and MASTER_ADDR and
-    MASTER_PORT (a free port on rank 0, broadcast over MPI). Variables the user set are
-    kept. Collective over the world: every rank calls it (importing pycoll.torch does)."""
-    if not _launched_by_mpi() or ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
-        return
-    from .api import broadcast_object
+def _rendezvous(url: str, timeout: datetime.timedelta = None, **_):
+    """torch's rendezvous for ``init_method="pycoll://"``: pycoll's rank and size, and a
+    TCPStore that rank 0 opens on a port the OS picks and tells the others over MPI, so
+    no MASTER_ADDR, MASTER_PORT, RANK or WORLD_SIZE is needed under any MPI launcher.
+    Runs when the process group is made, collectively over pycoll's world."""
+    from torch.distributed.constants import default_pg_timeout
     pycoll.init()
-    for name, value in (("RANK", pycoll.rank()), ("WORLD_SIZE", pycoll.size()),
-                        ("LOCAL_RANK", pycoll.local_rank()),
-                        ("LOCAL_WORLD_SIZE", pycoll.local_size())):
-        os.environ.setdefault(name, str(value))
-    address = None
-    if pycoll.rank() == 0:
-        with socket.socket() as probe:      # the OS picks a free port; TCPStore binds it next
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        host = "127.0.0.1" if pycoll.local_size() == pycoll.size() else \
+    rank, size = pycoll.rank(), pycoll.size()
+    asked = dict(parse_qsl(urlparse(url).query))
+    for key, ours in (("rank", rank), ("world_size", size)):
+        if key in asked and int(asked[key]) != ours:
+            raise ValueError(f"init_process_group(init_method='pycoll://') takes rank and size "
+                             f"from MPI: this process is rank {rank} of {size}, but "
+                             f"{key}={asked[key]} was given; leave rank and world_size unset")
+    timeout = timeout or default_pg_timeout
+    store = address = None
+    if rank == 0:
+        host = "127.0.0.1" if pycoll.local_size() == size else \
             socket.gethostbyname(socket.gethostname())
-        address = (host, port)
-    host, port = broadcast_object(address, root_rank=0, name="torch.rendezvous")
-    os.environ.setdefault("MASTER_ADDR", host)
-    os.environ.setdefault("MASTER_PORT", str(port))
+        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        address = (host, store.port)
+    world = runtime.world().comm
+    host, port = runtime.engine().run(lambda: world.bcast(address, root=0), "torch.rendezvous")
+    if store is None:
+        store = dist.TCPStore(host, port, size, False, timeout=timeout)
+    yield store, rank, size
+    raise RuntimeError("pycoll:// cannot rendezvous again: the MPI job's ranks are fixed")
 
 
 def register() -> None:
-    if BACKEND.upper() not in dist.Backend._plugins:
+    """The "pycoll" backend and the ``pycoll://`` rendezvous, through torch's public
+    registration calls; nothing here talks to MPI."""
+    if not hasattr(dist.Backend, BACKEND.upper()):
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        register_rendezvous_handler(BACKEND, _rendezvous)

@@ -1,0 +1,41 @@
+"""Reduction ops and the argument checks every layer shares; no MPI here, so the layers
+above (pycoll.torch) can import them without starting MPI."""
+import enum
+
+import numpy as np
+
+from .tensors import FLOATS
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "prod"
+
+
+Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN,
+                                   ReduceOp.MAX, ReduceOp.PRODUCT)
+
+
+def reduce_op(op) -> ReduceOp:
+    if op.__class__ is ReduceOp:
+        return op
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduction {op!r}; use pycoll.Sum, Average, Min, Max "
+                         "or Product") from None
+
+
+def check_reduction(op: ReduceOp, dtype: str) -> None:
+    if op is Average and dtype not in FLOATS:
+        raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
+                        "and divide, or cast to a float dtype")
+
+
+def check_root(root, grp, what: str = "root") -> None:
+    """``root`` (a rank of ``grp``; ``what`` names it in the error) is one of its ranks."""
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < grp.size():
+        raise ValueError(f"{what} must be a rank in [0, {grp.size()}), got {root!r}")

@@ -10,6 +10,7 @@ import enum
 import functools
 import itertools
 import math
+import operator
 import zlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
@@ -271,7 +272,7 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
     if many.device != "cpu":
         _reduce_from_gpu(many, srcs, dsts, sizes, pieces, reduction, scale)
         return
-    contiguous = all(d + n == e for d, n, e in zip(dsts, sizes, dsts[1:]))
+    contiguous = list(map(operator.add, dsts[:-1], sizes)) == dsts[1:]   # C loops, not Python's
     packed = contiguous and srcs == dsts         # views of one buffer, reduced in place
     for begin, nbytes in pieces:
         end = begin + nbytes
@@ -348,6 +349,12 @@ def _allreduce_many(many: _Many) -> None:
     (a group of one goes alone too). Every rank splits the list the same way."""
     threshold = config.get("fusion_threshold")
     direct = _direct(many.device)
+    if max(many.sizes) < _ALONE_BYTES and sum(many.sizes) <= threshold:     # one group
+        if len(many.sizes) > 1:
+            _allreduce_fused(many, range(len(many.sizes)))
+        else:
+            _allreduce_one(many.item(0))
+        return
     group: List[int] = []
     size = 0
     for i, nbytes in enumerate(many.sizes + [None]):

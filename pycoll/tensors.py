@@ -240,16 +240,26 @@ def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
 def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
     """One new buffer of ``sum(sizes)`` bytes, of the kind and dtype of ``xs`` (host
     tensors that ``host_pointers`` read), seen as one view shaped like each ``x``; the
-    views and the buffer's address."""
+    views and the buffer's address. Each run of equal shapes is cut in one call (torch's
+    unbind, numpy's iteration over rows): a view made one at a time costs more than the
+    reduction of its bytes."""
     first = as_array(xs[0])
-    flat = empty_like(first, (sum(sizes) // first.itemsize if hasattr(first, "itemsize")
-                              else sum(sizes) // first.element_size(),))
-    if hasattr(flat, "split"):                                     # torch: one C call
-        parts = flat.split([x.numel() for x in xs])
-        return [p if x.dim() == 1 else p.view(x.shape) for p, x in zip(parts, xs)], \
-            flat.data_ptr()
-    ends = list(itertools.accumulate(x.size for x in xs))
-    return [flat[e - x.size:e].reshape(x.shape) for x, e in zip(xs, ends)], flat.ctypes.data
+    itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
+    flat = empty_like(first, (sum(sizes) // itemsize,))
+    views: list = []
+    start = 0
+    for shape, run in itertools.groupby(x.shape for x in xs):
+        count, extent = sum(1 for _ in run), math.prod(shape)
+        block = flat[start:start + count * extent]
+        if count == 1:
+            views.append(block.reshape(shape))
+        elif shape:                     # iterating over dim 0: torch unbinds, numpy views rows
+            views.extend(block.reshape((count,) + tuple(shape)))
+        else:                           # numpy would give scalars, not 0-d arrays
+            views.extend(block[i:i + 1].reshape(()) for i in range(count))
+        start += count * extent
+    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
+    return views, base
 
 
 def _numpy_host_pointers(arrays) -> Optional[tuple]:

@@ -90,7 +90,7 @@ PYBIND11_MODULE(_C, m) {
          "How many collectives the *_now functions have run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
-         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, new_counts, gather_failed, "
+         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
          "mpi_error, in_place, byte, int64): what the *_now functions call and use (collectives.py passes them "
          "once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,

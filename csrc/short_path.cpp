@@ -191,6 +191,7 @@ struct Functions {
     PyObject* find_route = nullptr;   // find_route(op or None, x) -> (datatype, op, itemsize, average, dtype)
     PyObject* resolve = nullptr;      // resolve(group) -> an object with .handle and .ranks
     PyObject* empty_like = nullptr;   // empty_like(x, shape): an out-of-place result
+    Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* gather_failed = nullptr;  // gather_failed(x, out, group, name, meta): raises what is wrong
     PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
@@ -215,7 +216,7 @@ struct World {
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall;
 } s;
 
@@ -299,8 +300,23 @@ bool dims_of(PyObject* x, std::vector<int64_t>& dims) {
     return true;
 }
 
-// A new result of x's kind and dtype, shaped (rows, *dims[1:]), read for writing.
-PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims, Host& out) {
+// A new result of x's kind and dtype, of `nbytes`, shaped `shape`, read for writing: torch's
+// own new_empty where empty_like would call it (empty_like's checks cost as much again).
+PyObject* new_like(PyObject* x, PyObject* shape, Py_ssize_t nbytes, Host& out) {
+    PyObject* torch = PyDict_GetItemWithError(fn.kinds, reinterpret_cast<PyObject*>(Py_TYPE(x)));
+    Ref result(torch == Py_True && nbytes < fn.huge_paged
+                   ? PyObject_CallMethodOneArg(x, s.new_empty, shape)
+                   : PyObject_CallFunctionObjArgs(fn.empty_like, x, shape, nullptr));
+    if (!result) return nullptr;
+    const int read = read_host(result.get(), true, out);
+    if (read > 0) PyErr_SetString(PyExc_TypeError, "empty_like made a result the short path cannot read");
+    return read ? nullptr : result.release();
+}
+
+// new_like shaped (rows, *dims[1:]), of `itemsize` elements.
+PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims, Py_ssize_t itemsize, Host& out) {
+    int64_t nbytes = rows * itemsize;
+    for (size_t i = 1; i < dims.size(); ++i) nbytes *= dims[i];
     Ref shape(PyTuple_New(static_cast<Py_ssize_t>(std::max<size_t>(dims.size(), 1))));
     if (!shape) return nullptr;
     for (size_t i = 0; i < std::max<size_t>(dims.size(), 1); ++i) {
@@ -308,11 +324,7 @@ PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims
         if (!extent) return nullptr;
         PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(i), extent);
     }
-    Ref result(PyObject_CallFunctionObjArgs(fn.empty_like, x, shape.get(), nullptr));
-    if (!result) return nullptr;
-    const int read = read_host(result.get(), true, out);
-    if (read > 0) PyErr_SetString(PyExc_TypeError, "empty_like made a result the short path cannot read");
-    return read ? nullptr : result.release();
+    return new_like(x, shape.get(), static_cast<Py_ssize_t>(nbytes), out);
 }
 
 // The route of (op, dtype), borrowed from our table; nullptr with no error: an op that is not
@@ -486,7 +498,7 @@ bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
-        {&s.ranks, "ranks"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
+        {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
     };
     for (auto& name : all)
@@ -496,12 +508,13 @@ bool init(PyObject* module) {
 }
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
-    static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "new_counts",
-                                     "gather_failed", "mpi_error", "in_place", "byte", "int64", nullptr};
+    static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
+                                     "new_counts", "gather_failed", "mpi_error", "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOOOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.new_counts, &f.gather_failed, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
+                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.mpi_error, &f.in_place,
+                                     &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
@@ -586,9 +599,8 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(Py_NewRef(x));
     } else {
         Ref shape(PyObject_GetAttr(x, s.shape));
-        out.reset(shape ? PyObject_CallFunctionObjArgs(fn.empty_like, x, shape.get(), nullptr) : nullptr);
+        out.reset(shape ? new_like(x, shape.get(), in.nbytes, result) : nullptr);
         if (!out) return nullptr;
-        if (int read = read_host(out.get(), true, result)) return left(read);
     }
     Token token(name, s.allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
@@ -625,7 +637,7 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     } else {
         std::vector<int64_t> dims;
         if (!dims_of(x, dims)) return nullptr;
-        out.reset(dims.empty() ? nullptr : new_result(x, dims[0], dims, result));
+        out.reset(dims.empty() ? nullptr : new_result(x, dims[0], dims, route->itemsize, result));
         if (!out) return PyErr_Occurred() ? nullptr : none();  // 0-d: the general path
         if (root_here) std::memcpy(result.ptr, in.ptr, static_cast<size_t>(in.nbytes));
     }
@@ -664,7 +676,7 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     Ref out;
     Host result;
     if (given == Py_None) {
-        out.reset(new_result(x, mine, dims, result));
+        out.reset(new_result(x, mine, dims, route->itemsize, result));
         if (!out) return nullptr;
     } else {
         if (int read = read_out(given, in.dtype.get(), result)) return left(read);
@@ -736,7 +748,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Ref out;
     if (given == Py_None) {
-        out.reset(new_result(x, total_rows, dims.empty() ? std::vector<int64_t>{1} : dims, result));
+        out.reset(new_result(x, total_rows, dims.empty() ? std::vector<int64_t>{1} : dims, route->itemsize, result));
         if (!out) return nullptr;
     } else {
         out.reset(Py_NewRef(given));
@@ -816,7 +828,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         recv_rows += recv_splits[r];
     }
     Host result;
-    Ref out(new_result(x, recv_rows, dims, result));
+    Ref out(new_result(x, recv_rows, dims, route->itemsize, result));
     if (!out) return nullptr;
     if (!without_gil([&] {
             return mpi::alltoallv(in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),

@@ -8,7 +8,7 @@ namespace pycoll::short_path {
 
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
-// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, new_counts,
+// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
 // gather_failed, mpi_error, in_place, byte, int64): the functions and handles the short
 // path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);

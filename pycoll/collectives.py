@@ -614,6 +614,7 @@ def _plan_barrier(group, name):
 # uses; runtime binds the world and the gate.
 _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
+                    huge_paged=tensors.HUGE_PAGED,
                     new_counts=functools.partial(np.empty, dtype=np.int64),
                     gather_failed=_allgather_failed, mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),

@@ -300,7 +300,7 @@ def as_array(x):
 # allocator does not: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms from
 # numpy and 50-56 ms from torch.empty, nearly all of it page faults. Large torch outputs
 # are therefore numpy memory seen as a tensor.
-_HUGE_PAGED = 4 * 2**20
+HUGE_PAGED = 4 * 2**20
 
 
 def empty_like(x, shape):
@@ -308,7 +308,7 @@ def empty_like(x, shape):
     x = as_array(x)
     if hasattr(x, "new_empty"):                                   # torch
         nbytes = math.prod(shape) * x.element_size()
-        if x.is_cpu and nbytes >= _HUGE_PAGED:
+        if x.is_cpu and nbytes >= HUGE_PAGED:
             torch = sys.modules["torch"]
             return torch.from_numpy(np.empty(nbytes, np.uint8)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))

@@ -86,6 +86,9 @@ PYBIND11_MODULE(_C, m) {
          "allreduce_now's)."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
          "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
+        {"host_pointers", short_path::host_pointers, METH_O,
+         "host_pointers(xs) -> (addresses, byte sizes, dtype) of a list of writable contiguous host tensors of one "
+         "class and dtype; None for any other (after short_path_setup)."},
         {"short_path_runs", short_path::count, METH_NOARGS,
          "How many collectives the *_now functions have run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),

@@ -839,6 +839,37 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyTuple_Pack(2, out.get(), received.get());
 }
 
+PyObject* host_pointers(PyObject*, PyObject* xs) {
+    if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) Py_RETURN_NONE;
+    const Py_ssize_t n = PyList_GET_SIZE(xs);
+    PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(PyList_GET_ITEM(xs, 0)));
+    Ref ptrs(PyList_New(n)), sizes(PyList_New(n)), dtype;
+    if (!ptrs || !sizes) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* x = PyList_GET_ITEM(xs, i);
+        Host h;
+        if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != kind) Py_RETURN_NONE;
+        if (int read = read_host(x, true, h)) return left(read);
+        if (!dtype) {
+            dtype.reset(Py_NewRef(h.dtype.get()));
+        } else if (h.dtype.get() != dtype.get()) {  // dtype objects are singletons in numpy and torch
+            const int same = PyObject_RichCompareBool(h.dtype.get(), dtype.get(), Py_EQ);
+            if (same <= 0) return same < 0 ? nullptr : none();
+        }
+        PyObject* ptr = PyLong_FromVoidPtr(h.ptr);
+        PyObject* size = ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr;
+        if (!size) {
+            Py_XDECREF(ptr);
+            return nullptr;
+        }
+        PyList_SET_ITEM(ptrs.get(), i, ptr);
+        PyList_SET_ITEM(sizes.get(), i, size);
+    }
+    const Route* route = route_of(Py_None, PyList_GET_ITEM(xs, 0), dtype.get());
+    if (!route) return PyErr_Occurred() ? nullptr : none();
+    return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), route->name.c_str());
+}
+
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }
 
 }  // namespace pycoll::short_path

@@ -30,6 +30,10 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // row_signature(dtype, row_shape) -> int: what allgather's ranks compare (both paths).
 PyObject* row_signature(PyObject*, PyObject* args);
+// host_pointers(xs) -> (addresses, byte sizes, dtype name) of a list of writable,
+// contiguous host tensors of one class and dtype, read as the short path reads one; None
+// for any other list.
+PyObject* host_pointers(PyObject*, PyObject* xs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 

@@ -225,16 +225,10 @@ def is_torch(x) -> bool:
 
 def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
     """(addresses, byte sizes, dtype) of writable, contiguous CPU tensors, all of one
-    class and dtype, read in one pass: a grouped call over many small tensors spends most
-    of its time reading them one by one. None when ``xs`` is not such a list, or is of a
-    kind read only one at a time: ``as_buffer`` then reads each and says what is wrong."""
-    if not xs:
-        return None
-    kind = type(xs[0])
-    reader = _HOST_LISTS.get(_READERS.get(kind) or _reader(xs[0]))
-    if reader is None or any(type(x) is not kind for x in xs):
-        return None
-    return reader(xs)
+    class and dtype, read in one pass in C, as the short path reads one: a grouped call
+    over many small tensors spends most of its time reading them one by one. None when
+    ``xs`` is not such a list: ``as_buffer`` then reads each and says what is wrong."""
+    return _C.host_pointers(xs if type(xs) is list else list(xs))
 
 
 def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
@@ -260,27 +254,6 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
         start += count * extent
     base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
     return views, base
-
-
-def _numpy_host_pointers(arrays) -> Optional[tuple]:
-    dtype = arrays[0].dtype
-    name = _NUMPY_DTYPES.get(dtype)
-    found = [_C.address(a) for a in arrays]
-    if name is None or any(f is None or f[1] for f in found) or any(a.dtype != dtype
-                                                                      for a in arrays):
-        return None
-    return [f[0] for f in found], [a.nbytes for a in arrays], name
-
-
-def _torch_host_pointers(ts) -> Optional[tuple]:
-    dtype = ts[0].dtype
-    name = _TORCH_DTYPES.get(dtype) or _torch_dtype(ts[0])
-    if not all(t.dtype is dtype and t.is_cpu and t.is_contiguous() for t in ts):
-        return None
-    return [t.data_ptr() for t in ts], [t.nbytes for t in ts], name
-
-
-_HOST_LISTS = {_from_numpy: _numpy_host_pointers, _from_torch: _torch_host_pointers}
 
 
 def _has_buffer_protocol(x) -> bool:

@@ -11,7 +11,6 @@ import functools
 import itertools
 import math
 import operator
-import zlib
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 

@@ -242,6 +242,23 @@ def targets(rows) -> dict:
             "allreduce_64MiB_gloo_over_pycoll": ratio(64 * MiB, "gloo", "pycoll")}
 
 
+def short_path_lines(rows, ops) -> list:
+    """Issue 27's targets for every collective, from this run's medians: the worst
+    pycoll - mpi4py up to 64 KiB (<= +5 us) and the worst pycoll/mpi4py from 1 MiB
+    (<= 1.1)."""
+    lines = []
+    for op in ops:
+        t = {(r["bytes"], r["impl"]): r["time_us"] for r in rows if r["op"] == op}
+        sizes = sorted({size for size, impl in t if impl == "pycoll" and (size, "mpi4py") in t})
+        small = [t[s, "pycoll"] - t[s, "mpi4py"] for s in sizes if s <= 64 * 1024]
+        large = [t[s, "pycoll"] / t[s, "mpi4py"] for s in sizes if s >= MiB]
+        lines.append(f"# {op}: pycoll - mpi4py up to 64 KiB, worst "
+                     + (f"{max(small):+.1f} us" if small else "-") + " (<= +5); "
+                     + "pycoll/mpi4py from 1 MiB, worst "
+                     + (f"{max(large):.2f}" if large else "-") + " (<= 1.10)")
+    return lines
+
+
 def targets_line(tg: dict) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
@@ -327,6 +344,8 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         if tg:
             print("\n" + targets_line(tg))
+        if args.iters:
+            print("\n" + "\n".join(short_path_lines(rows, ops)))
         print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
               "; check " + ("OK" if ok else "FAILED")), flush=True)
         if args.json:

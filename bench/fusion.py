@@ -6,8 +6,8 @@ torch.distributed gloo.
     pycollrun -np 4 python bench/fusion.py [--cases resnet50,small,large]
         [--thresholds 1M,4M,16M,64M,128M] [--chunks 1M,2M,4M,8M,64M] [--cycles 0,0.5,2]
         [--iters 20] [--target-ms 300] [--warmup 2] [--batches 5] [--small-count 1000]
-        [--small-bytes 4K] [--large-bytes 64M] [--scale 1] [--check] [--json PATH]
-        [--no-gloo]
+        [--small-bytes 4K] [--large-bytes 64M] [--scale 1] [--ops sum,average]
+        [--kinds torch,numpy] [--check] [--json PATH] [--no-gloo]
 
 Cases (float32, op Sum, each tensor its own allocation, zero-filled so that repeated
 in-place sums stay finite):
@@ -24,6 +24,9 @@ Implementations, per pass over a case's tensors:
   pycoll-grouped     grouped_allreduce_(tensors, Sum): the same fusion, in one call
   pycoll-grouped-new grouped_allreduce(tensors, Sum): the same, the results a new list
                      (views of one new buffer)
+  FORM:OP:KIND       each of those three forms with op OP (--ops) on KIND (--kinds: the
+                     torch views or the numpy arrays themselves); the names above are
+                     sum:torch
   mpi4py-concat      ONE Allreduce(IN_PLACE) of a buffer holding all the bytes: the floor
   mpi4py-per-tensor  one Allreduce(IN_PLACE) per tensor
   gloo-per-tensor    dist.all_reduce(t, async_op=True) on every tensor, then wait on all
@@ -120,8 +123,13 @@ RESNET50_PARAMS = 25_557_032
 assert len(RESNET50_SHAPES) == 161, len(RESNET50_SHAPES)
 assert sum(math.prod(s) for s in RESNET50_SHAPES) == RESNET50_PARAMS
 
-IMPLS = ("pycoll", "pycoll-grouped", "pycoll-grouped-new", "mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor",
-         "gloo-concat")
+FORMS = ("pycoll", "pycoll-grouped", "pycoll-grouped-new")
+IMPLS = FORMS + ("mpi4py-concat", "mpi4py-per-tensor", "gloo-per-tensor", "gloo-concat")
+
+
+def form_name(form: str, op: str, kind: str) -> str:
+    """pycoll's ``form`` with ``op`` on ``kind``: Sum on torch keeps the form's own name."""
+    return form if (op, kind) == ("sum", "torch") else f"{form}:{op}:{kind}"
 torch = dist = None                              # set in main() by setup_gloo()
 
 
@@ -140,16 +148,26 @@ class Case:
         self.tflat = view(self.flat)
         self.nbytes = self.flat.nbytes
 
-    def pycoll(self, op=None):
-        works = [pycoll.allreduce_async_(t, op=op or pycoll.Sum) for t in self.tensors]
+    def pycoll(self, op=None, kind="torch"):
+        works = [pycoll.allreduce_async_(t, op=op or pycoll.Sum) for t in self.of(kind)]
         for w in works:
             w.wait()
 
-    def pycoll_grouped(self, op=None):
-        pycoll.grouped_allreduce_(self.tensors, op=op or pycoll.Sum)
+    def pycoll_grouped(self, op=None, kind="torch"):
+        pycoll.grouped_allreduce_(self.of(kind), op=op or pycoll.Sum)
 
-    def pycoll_grouped_new(self, op=None):
-        return pycoll.grouped_allreduce(self.tensors, op=op or pycoll.Sum)
+    def pycoll_grouped_new(self, op=None, kind="torch"):
+        return pycoll.grouped_allreduce(self.of(kind), op=op or pycoll.Sum)
+
+    def of(self, kind: str) -> list:
+        return self.tensors if kind == "torch" else self.arrays
+
+    def form(self, name: str):
+        """The call of pycoll's form ``name`` (FORMS, or FORM:OP:KIND)."""
+        form, op, kind = (name.split(":") + ["sum", "torch"])[:3]
+        run = {"pycoll": self.pycoll, "pycoll-grouped": self.pycoll_grouped,
+               "pycoll-grouped-new": self.pycoll_grouped_new}[form]
+        return lambda: run(pycoll.ReduceOp(op), kind)
 
     def fns(self, impls) -> dict:
         def mpi_concat():
@@ -166,12 +184,10 @@ class Case:
 
         def gloo_concat():
             dist.all_reduce(self.tflat)
-        every = {"pycoll": self.pycoll, "pycoll-grouped": self.pycoll_grouped,
-                 "pycoll-grouped-new": self.pycoll_grouped_new,
-                 "mpi4py-concat": mpi_concat,
+        every = {"mpi4py-concat": mpi_concat,
                  "mpi4py-per-tensor": mpi_per_tensor, "gloo-per-tensor": gloo_per_tensor,
                  "gloo-concat": gloo_concat}
-        return {i: every[i] for i in impls}
+        return {i: every[i] if i in every else self.form(i) for i in impls}
 
 
 def make_cases(args) -> list:
@@ -195,11 +211,12 @@ def check(case: Case) -> bool:
     """pycoll's fused Sum and Average (async and grouped) against numpy, on every rank;
     zeros again after."""
     n, ok = comm.size, True
-    for op, fused in itertools.product((pycoll.Sum, pycoll.Average),
-                                       (case.pycoll, case.pycoll_grouped, case.pycoll_grouped_new)):
+    for op, fused, kind in itertools.product(
+            (pycoll.Sum, pycoll.Average),
+            (case.pycoll, case.pycoll_grouped, case.pycoll_grouped_new), ("torch", "numpy")):
         for i, a in enumerate(case.arrays):
             a[...] = pattern(comm.rank, len(a), np.float32) + i % 7
-        results = fused(op) or case.arrays          # the new list, or the tensors in place
+        results = fused(op, kind) or case.arrays    # the new list, or the tensors in place
         for i, a in enumerate(np.asarray(r) for r in results):
             want = sum(pattern(r, len(a), np.float64) for r in range(n)) + n * (i % 7)
             if op is pycoll.Average:
@@ -263,8 +280,8 @@ def bench_case(case: Case, impls, args, rows) -> dict:
     if comm.rank == 0:
         print(f"\n# {case.name}: {case.label} ({case.nbytes / MiB:.1f} MiB), "
               f"fusion threshold {human_bytes(pycoll.config.get('fusion_threshold'))}")
-        print(f"# {'impl':>18} {'time(ms)':>10} {'algbw':>7} {'busbw':>7} {'/pycoll':>8} "
-              f"{'iters':>5}")
+        print(f"# {'impl':>34} {'time(ms)':>10} {'algbw':>7} {'busbw':>7} {'/pycoll':>8} "
+              f"{'/floor':>7} {'iters':>5}")
     for i in impls:
         alg = case.nbytes / t[i] / 1e9
         rows.append(dict(section="main", case=case.name, impl=i, tensors=len(case.arrays),
@@ -272,8 +289,9 @@ def bench_case(case: Case, impls, args, rows) -> dict:
                          time_us=t[i] * 1e6, algbw=alg, busbw=alg * 2 * (n - 1) / n,
                          iters=iters[i], batches_us=[x * 1e6 for x in times[i]]))
         if comm.rank == 0:
-            print(f"  {i:>18} {t[i] * 1e3:10.3f} {alg:7.3f} {alg * 2 * (n - 1) / n:7.3f} "
-                  f"{fmt(ratio(t, i, 'pycoll'), 8, 2)} {iters[i]:>5}")
+            print(f"  {i:>34} {t[i] * 1e3:10.3f} {alg:7.3f} {alg * 2 * (n - 1) / n:7.3f} "
+                  f"{fmt(ratio(t, i, 'pycoll'), 8, 2)} {fmt(ratio(t, i, 'mpi4py-concat'), 7, 2)} "
+                  f"{iters[i]:>5}")
     r = {"pycoll/mpi4py-concat": ratio(t, "pycoll", "mpi4py-concat"),
          "mpi4py-per-tensor/pycoll": ratio(t, "mpi4py-per-tensor", "pycoll"),
          "mpi4py-per-tensor/pycoll-grouped": ratio(t, "mpi4py-per-tensor", "pycoll-grouped"),
@@ -281,12 +299,17 @@ def bench_case(case: Case, impls, args, rows) -> dict:
          "pycoll-grouped-new/mpi4py-concat": ratio(t, "pycoll-grouped-new", "mpi4py-concat"),
          "gloo-per-tensor/pycoll": ratio(t, "gloo-per-tensor", "pycoll"),
          "gloo-concat/pycoll": ratio(t, "gloo-concat", "pycoll")}
+    forms = [i for i in impls if i.split(":")[0] in FORMS[1:]]
+    worst = max(forms, key=lambda i: ratio(t, i, "mpi4py-concat") or 0, default=None)
+    r["worst grouped form/mpi4py-concat"] = ratio(t, worst, "mpi4py-concat") if worst else None
     if comm.rank == 0:
         target = {"resnet50": "pycoll/mpi4py-concat <= 1.15",
-                  "small": "mpi4py-per-tensor/pycoll >= 5 (either pycoll)",
+                  "small": "mpi4py-per-tensor/pycoll >= 5 (either pycoll); every grouped "
+                           "form/mpi4py-concat <= 2",
                   "large": "pycoll/mpi4py-concat <= 1.05, gloo-concat/pycoll >= 2"
                   }.get(case.name, "")
         print("# ratios: " + "; ".join(f"{k} {fmt(v, 0, 2)}" for k, v in r.items())
+              + (f" ({worst})" if worst else "")
               + (f"  (target: {target})" if target else ""), flush=True)
     return r
 
@@ -371,6 +394,8 @@ def main(argv=None) -> int:
     p.add_argument("--small-bytes", type=parse_bytes, default=4096)
     p.add_argument("--large-bytes", type=parse_bytes, default=64 * MiB)
     p.add_argument("--scale", type=float, default=1.0, help="ResNet-50 tensor sizes x this")
+    p.add_argument("--ops", default="sum,average", help="pycoll's forms with each of these ops")
+    p.add_argument("--kinds", default="torch,numpy", help="... on each of these kinds")
     p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
     p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
@@ -388,8 +413,13 @@ def main(argv=None) -> int:
 
     global torch, dist
     torch, dist, note = setup_gloo(args.no_gloo)
-    impls = [i for i in IMPLS if dist is not None and dist.is_initialized()
-             or not i.startswith("gloo")]
+    variants = [(op, kind) for op in args.ops.split(",") for kind in args.kinds.split(",")]
+    if not variants or any(op not in ("sum", "average", "min", "max", "prod")
+                           or kind not in ("torch", "numpy") for op, kind in variants):
+        p.error("--ops from sum,average,min,max,prod and --kinds from torch,numpy")
+    impls = [form_name(f, op, kind) for f in FORMS for op, kind in variants] + [
+        i for i in IMPLS[len(FORMS):] if dist is not None and dist.is_initialized()
+        or not i.startswith("gloo")]
     pycoll.init()
     t0 = time.perf_counter()
     defaults = {knob: pycoll.config.get(knob) for knob in SWEEPS}

@@ -66,23 +66,39 @@ PYBIND11_MODULE(_C, m) {
 
     // Plain CPython functions, not pybind11 ones: they sit on every small allreduce's path,
     // where pybind11's argument dispatch costs as much as the MPI call itself.
+#define FAST(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
     static PyMethodDef fast[] = {
         {"address", address, METH_O,
          "(address, readonly) of a C-contiguous buffer-protocol object (numpy's __array_interface__ costs ten "
          "times more); None if it is not one."},
-        {"allreduce_now", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::allreduce_now)),
-         METH_FASTCALL,
+        {"allreduce_now", FAST(short_path::allreduce_now), METH_FASTCALL,
          "allreduce_now(x, inplace, op, group, name): a blocking allreduce of a contiguous host tensor straight to "
          "MPI_Allreduce, without the GIL, while the engine is idle; the result (x itself in place), or None where "
          "the general path must run it. After short_path_setup."},
+        {"broadcast_now", FAST(short_path::broadcast_now), METH_FASTCALL,
+         "broadcast_now(x, inplace, root, group, name): broadcast's short path (as allreduce_now's)."},
+        {"reduce_scatter_now", FAST(short_path::reduce_scatter_now), METH_FASTCALL,
+         "reduce_scatter_now(x, op, out, group, name): reduce_scatter's short path (as allreduce_now's)."},
+        {"allgather_now", FAST(short_path::allgather_now), METH_FASTCALL,
+         "allgather_now(x, out, group, name): allgather's short path (as allreduce_now's)."},
+        {"alltoall_now", FAST(short_path::alltoall_now), METH_FASTCALL,
+         "alltoall_now(x, splits, group, name) -> (result, received splits): alltoall's short path (as "
+         "allreduce_now's)."},
+        {"row_signature", short_path::row_signature, METH_VARARGS,
+         "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
+        {"host_pointers", short_path::host_pointers, METH_O,
+         "host_pointers(xs) -> (addresses, byte sizes, dtype) of a list of writable contiguous host tensors of one "
+         "class and dtype; None for any other (after short_path_setup)."},
         {"short_path_runs", short_path::count, METH_NOARGS,
-         "How many allreduces allreduce_now has run in this process."},
+         "How many collectives the *_now functions have run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
-         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, mpi_error, in_place): the functions "
-         "allreduce_now calls (collectives.py passes them once)."},
+         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
+         "mpi_error, in_place, byte, int64): what the *_now functions call and use (collectives.py passes them "
+         "once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
-         "short_path_settings(enabled, max_bytes): whether allreduce_now runs, and the largest tensor it takes."},
+         "short_path_settings(enabled, max_bytes): whether the *_now functions run, and the largest tensor "
+         "allreduce_now takes."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
          "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <type_traits>
@@ -9,34 +10,51 @@
 namespace pycoll::mpi {
 namespace {
 
-// Each function in the two handle ABIs: P where handles are pointers, I where they are ints.
-template <class H> struct Abi {
-    using Allreduce = int (*)(const void*, void*, int, H, H, H);
-    using Isend = int (*)(const void*, int, H, int, int, H, H*);
-    using Irecv = int (*)(void*, int, H, int, int, H, H*);
-    using Test = int (*)(H*, int*, void*);
-    using Testany = int (*)(int, H*, int*, int*, void*);
-    using Cancel = int (*)(H*);
-    using Wait = int (*)(H*, void*);
-};
-using P = Abi<void*>;
-using I = Abi<int>;
-
-struct Functions {
-    void *allreduce, *isend, *irecv, *test, *testany, *cancel, *wait;
-} fn{};
+// The functions, in the order of kNames.
+enum Fn { kAllreduce, kBcast, kAllgather, kAllgatherv, kAlltoall, kAlltoallv, kReduceScatter, kCommRank,
+          kIsend, kIrecv, kTest, kTestany, kCancel, kWait, kCount };
+const char* const kNames[kCount] = {"MPI_Allreduce", "MPI_Bcast", "MPI_Allgather", "MPI_Allgatherv",
+                                    "MPI_Alltoall", "MPI_Alltoallv", "MPI_Reduce_scatter", "MPI_Comm_rank",
+                                    "MPI_Isend", "MPI_Irecv", "MPI_Test", "MPI_Testany", "MPI_Cancel",
+                                    "MPI_Wait"};
+void* fn[kCount] = {};
 size_t handle_bytes = 0;
 
 // Statuses are never read: a buffer larger than any MPI_Status, where MPI may write one
 // (MPI_STATUS_IGNORE's value differs between MPIs and mpi4py does not expose it).
 thread_local unsigned char status[256];
 
-template <class H> H handle(intptr_t h) {
-    if constexpr (std::is_pointer_v<H>) return reinterpret_cast<H>(h);
-    else return static_cast<H>(h);
+bool ints() { return handle_bytes == sizeof(int); }
+
+// Arguments that are MPI handles (H: void* where handles are pointers, int where they are
+// ints) or point to them; everything else passes as it is.
+struct Handle { intptr_t value; };
+struct Request { void* at; };  // MPI_Request*
+template <class H, class T> struct As {
+    using type = T;
+    static T get(T x) { return x; }
+};
+template <class H> struct As<H, Handle> {
+    using type = H;
+    static H get(Handle h) {
+        if constexpr (std::is_pointer_v<H>) return reinterpret_cast<H>(h.value);
+        else return static_cast<H>(h.value);
+    }
+};
+template <class H> struct As<H, Request> {
+    using type = H*;
+    static H* get(Request r) { return static_cast<H*>(r.at); }
+};
+
+template <class H, class... A> int invoke(Fn f, A... args) {
+    using Signature = int (*)(typename As<H, A>::type...);
+    return reinterpret_cast<Signature>(fn[f])(As<H, A>::get(args)...);
 }
 
-bool ints() { return handle_bytes == sizeof(int); }
+// MPI function `f` in the bound ABI.
+template <class... A> int call(Fn f, A... args) {
+    return ints() ? invoke<int>(f, args...) : invoke<void*>(f, args...);
+}
 
 }  // namespace
 
@@ -45,31 +63,54 @@ std::string bind(const char* module_path, size_t handle_size) {
         return "MPI handles of " + std::to_string(handle_size) + " bytes";
     // RTLD_NOLOAD: only the module mpi4py has already imported; its dependency tree holds libmpi.
     void* module = dlopen(module_path, RTLD_NOW | RTLD_NOLOAD);
-    const char* names[] = {"MPI_Allreduce", "MPI_Isend", "MPI_Irecv", "MPI_Test", "MPI_Testany", "MPI_Cancel", "MPI_Wait"};
-    void* p[std::size(names)];
+    void* found[kCount];
     std::string missing;
-    for (size_t i = 0; i < std::size(names); ++i) {
-        p[i] = module ? dlsym(module, names[i]) : nullptr;
-        if (!p[i]) p[i] = dlsym(RTLD_DEFAULT, names[i]);  // an MPI loaded globally instead
-        if (!p[i]) missing += std::string(missing.empty() ? "" : ", ") + names[i];
+    for (size_t i = 0; i < kCount; ++i) {
+        found[i] = module ? dlsym(module, kNames[i]) : nullptr;
+        if (!found[i]) found[i] = dlsym(RTLD_DEFAULT, kNames[i]);  // an MPI loaded globally instead
+        if (!found[i]) missing += std::string(missing.empty() ? "" : ", ") + kNames[i];
     }
     if (module) dlclose(module);  // drops our reference only
     if (!missing.empty()) return missing + " not found beside " + module_path;
-    const Functions found{p[0], p[1], p[2], p[3], p[4], p[5], p[6]};
-    fn = found;
+    std::copy(std::begin(found), std::end(found), std::begin(fn));
     handle_bytes = handle_size;
     return "";
 }
 
-bool bound() { return fn.allreduce != nullptr; }
+bool bound() { return fn[kAllreduce] != nullptr; }
 
 int allreduce(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm) {
-    if (ints())
-        return reinterpret_cast<I::Allreduce>(fn.allreduce)(send, recv, count, handle<int>(datatype), handle<int>(op),
-                                                            handle<int>(comm));
-    return reinterpret_cast<P::Allreduce>(fn.allreduce)(send, recv, count, handle<void*>(datatype),
-                                                        handle<void*>(op), handle<void*>(comm));
+    return call(kAllreduce, send, recv, count, Handle{datatype}, Handle{op}, Handle{comm});
 }
+
+int bcast(void* buf, int count, intptr_t datatype, int root, intptr_t comm) {
+    return call(kBcast, buf, count, Handle{datatype}, root, Handle{comm});
+}
+
+int allgather(const void* send, int scount, intptr_t stype, void* recv, int rcount, intptr_t rtype, intptr_t comm) {
+    return call(kAllgather, send, scount, Handle{stype}, recv, rcount, Handle{rtype}, Handle{comm});
+}
+
+int allgatherv(const void* send, int scount, intptr_t stype, void* recv, const int* rcounts, const int* rdispls,
+               intptr_t rtype, intptr_t comm) {
+    return call(kAllgatherv, send, scount, Handle{stype}, recv, rcounts, rdispls, Handle{rtype}, Handle{comm});
+}
+
+int alltoall(const void* send, int scount, intptr_t stype, void* recv, int rcount, intptr_t rtype, intptr_t comm) {
+    return call(kAlltoall, send, scount, Handle{stype}, recv, rcount, Handle{rtype}, Handle{comm});
+}
+
+int alltoallv(const void* send, const int* scounts, const int* sdispls, intptr_t stype, void* recv,
+              const int* rcounts, const int* rdispls, intptr_t rtype, intptr_t comm) {
+    return call(kAlltoallv, send, scounts, sdispls, Handle{stype}, recv, rcounts, rdispls, Handle{rtype},
+                Handle{comm});
+}
+
+int reduce_scatter(const void* send, void* recv, const int* rcounts, intptr_t datatype, intptr_t op, intptr_t comm) {
+    return call(kReduceScatter, send, recv, rcounts, Handle{datatype}, Handle{op}, Handle{comm});
+}
+
+int comm_rank(intptr_t comm, int* rank) { return call(kCommRank, Handle{comm}, rank); }
 
 size_t Requests::width() { return handle_bytes; }
 
@@ -99,39 +140,21 @@ intptr_t Requests::get(size_t i) const {
 }
 
 int isend(const void* buf, int nbytes, intptr_t byte_type, int dest, int tag, intptr_t comm, void* request) {
-    if (ints())
-        return reinterpret_cast<I::Isend>(fn.isend)(buf, nbytes, handle<int>(byte_type), dest, tag, handle<int>(comm),
-                                                    static_cast<int*>(request));
-    return reinterpret_cast<P::Isend>(fn.isend)(buf, nbytes, handle<void*>(byte_type), dest, tag,
-                                                handle<void*>(comm), static_cast<void**>(request));
+    return call(kIsend, buf, nbytes, Handle{byte_type}, dest, tag, Handle{comm}, Request{request});
 }
 
 int irecv(void* buf, int nbytes, intptr_t byte_type, int source, int tag, intptr_t comm, void* request) {
-    if (ints())
-        return reinterpret_cast<I::Irecv>(fn.irecv)(buf, nbytes, handle<int>(byte_type), source, tag,
-                                                    handle<int>(comm), static_cast<int*>(request));
-    return reinterpret_cast<P::Irecv>(fn.irecv)(buf, nbytes, handle<void*>(byte_type), source, tag,
-                                                handle<void*>(comm), static_cast<void**>(request));
+    return call(kIrecv, buf, nbytes, Handle{byte_type}, source, tag, Handle{comm}, Request{request});
 }
 
-int test(void* request, int* flag) {
-    if (ints()) return reinterpret_cast<I::Test>(fn.test)(static_cast<int*>(request), flag, status);
-    return reinterpret_cast<P::Test>(fn.test)(static_cast<void**>(request), flag, status);
-}
+int test(void* request, int* flag) { return call(kTest, Request{request}, flag, static_cast<void*>(status)); }
 
 int testany(int count, void* requests, int* index, int* flag) {
-    if (ints()) return reinterpret_cast<I::Testany>(fn.testany)(count, static_cast<int*>(requests), index, flag, status);
-    return reinterpret_cast<P::Testany>(fn.testany)(count, static_cast<void**>(requests), index, flag, status);
+    return call(kTestany, count, Request{requests}, index, flag, static_cast<void*>(status));
 }
 
-int cancel(void* request) {
-    if (ints()) return reinterpret_cast<I::Cancel>(fn.cancel)(static_cast<int*>(request));
-    return reinterpret_cast<P::Cancel>(fn.cancel)(static_cast<void**>(request));
-}
+int cancel(void* request) { return call(kCancel, Request{request}); }
 
-int wait(void* request) {
-    if (ints()) return reinterpret_cast<I::Wait>(fn.wait)(static_cast<int*>(request), status);
-    return reinterpret_cast<P::Wait>(fn.wait)(static_cast<void**>(request), status);
-}
+int wait(void* request) { return call(kWait, Request{request}, static_cast<void*>(status)); }
 
 }  // namespace pycoll::mpi

@@ -1,5 +1,5 @@
 // MPI calls made from C on mpi4py's handles, for the few paths where mpi4py's argument
-// handling costs more than the communication (a blocking allreduce of a few bytes, the
+// handling costs more than the communication (the blocking collectives' short path, the
 // partial all-reduce's ring). pycoll is not built against an MPI: it finds the functions
 // in the library that mpi4py has already loaded, so one build serves every MPI that
 // mpi4py supports. Handles travel as intptr_t; requests live in a Requests array.
@@ -21,6 +21,15 @@ bool bound();
 
 // Every call returns MPI's error code. Call without the GIL.
 int allreduce(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm);
+int bcast(void* buf, int count, intptr_t datatype, int root, intptr_t comm);
+int allgather(const void* send, int scount, intptr_t stype, void* recv, int rcount, intptr_t rtype, intptr_t comm);
+int allgatherv(const void* send, int scount, intptr_t stype, void* recv, const int* rcounts, const int* rdispls,
+               intptr_t rtype, intptr_t comm);
+int alltoall(const void* send, int scount, intptr_t stype, void* recv, int rcount, intptr_t rtype, intptr_t comm);
+int alltoallv(const void* send, const int* scounts, const int* sdispls, intptr_t stype, void* recv,
+              const int* rcounts, const int* rdispls, intptr_t rtype, intptr_t comm);
+int reduce_scatter(const void* send, void* recv, const int* rcounts, intptr_t datatype, intptr_t op, intptr_t comm);
+int comm_rank(intptr_t comm, int* rank);
 
 // MPI_Request handles, contiguous in the bound ABI's size (what MPI_Testany reads), each
 // MPI_REQUEST_NULL (`null`, mpi4py's handle of it) until started.

@@ -1,9 +1,11 @@
-// The blocking allreduce's short path (collectives.allreduce and allreduce_), and the
-// engine's Gate that it shares with the engine's thread. A contiguous host tensor of one
-// piece, while the engine is idle, goes straight to MPI_Allreduce. Written in Python its
-// steps cost 1.1 us, twice the MPI call at 4 ranks on 2 cores, where each microsecond a
-// rank spends outside MPI delays every peer sharing its core; here they cost little more
-// than torch's own accessors.
+// The blocking collectives' short path, and the engine's Gate that it shares with the
+// engine's thread. A collective of contiguous host tensors, called while the engine is
+// idle, goes straight to MPI from here: allreduce, broadcast, reduce_scatter, allgather
+// and alltoall, each the same MPI calls as its general path in collectives.py (ranks may
+// take either path for the same operation). Written in Python their planning cost 5-20 us
+// a call, several times the MPI call at small sizes, where each microsecond a rank spends
+// outside MPI delays every peer sharing its core; here it costs little more than torch's
+// own accessors.
 //
 // It reads no Python module's state: what it needs arrives as arguments. Functions, once
 // (short_path_setup); settings, whenever they change (short_path_settings); the world
@@ -11,10 +13,16 @@
 // or route, it leaves (None) to the general path, which says what is wrong.
 #include "short_path.h"
 
+#include <algorithm>
 #include <climits>
+#include <cstring>
 #include <ctime>
+#include <functional>
+#include <string>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
+#include <vector>
 
 #include "kernels.h"
 #include "mpi_calls.h"
@@ -178,15 +186,19 @@ PyTypeObject gate_type = [] {
 // ---------------------------------------------------------------- what it was given
 
 struct Functions {
-    PyObject* ndarray = nullptr;     // numpy.ndarray: read through the buffer protocol
-    PyObject* is_torch = nullptr;    // is_torch(x) -> bool: read with torch's accessors
-    PyObject* find_route = nullptr;  // find_route(op, x) -> (datatype, op, itemsize, average, dtype)
-    PyObject* resolve = nullptr;     // resolve(group) -> an object with .handle and .ranks
-    PyObject* empty_like = nullptr;  // empty_like(x, shape): the out-of-place result
-    PyObject* mpi_error = nullptr;   // mpi4py.MPI.Exception
-    intptr_t in_place = 0;           // MPI_IN_PLACE
-    PyObject* kinds = nullptr;       // type -> is_torch's answer, ours
-    PyObject* routes = nullptr;      // (op, dtype) -> capsule of a Route, ours
+    PyObject* ndarray = nullptr;      // numpy.ndarray: read through the buffer protocol
+    PyObject* is_torch = nullptr;     // is_torch(x) -> bool: read with torch's accessors
+    PyObject* find_route = nullptr;   // find_route(op or None, x) -> (datatype, op, itemsize, average, dtype)
+    PyObject* resolve = nullptr;      // resolve(group) -> an object with .handle and .ranks
+    PyObject* empty_like = nullptr;   // empty_like(x, shape): an out-of-place result
+    Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
+    PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
+    PyObject* gather_failed = nullptr;  // gather_failed(x, out, group, name, meta): raises what is wrong
+    PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
+    intptr_t in_place = 0;            // MPI_IN_PLACE
+    intptr_t byte = 0, int64 = 0;     // MPI_BYTE, MPI_INT64_T
+    PyObject* kinds = nullptr;        // type -> is_torch's answer, ours
+    PyObject* routes = nullptr;       // (op, dtype) -> capsule of a Route, ours
     bool ready = false;
 } fn;
 
@@ -204,15 +216,17 @@ struct World {
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *allreduce;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
+    PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall;
 } s;
 
-// How an (op, dtype) allreduce goes to MPI_Allreduce.
+// How a dtype goes to MPI, and an op's reduction of it (op None: no reduction).
 struct Route {
     intptr_t datatype, op;
     Py_ssize_t itemsize;
     bool average;
     DType dt;
+    std::string name;
 };
 
 void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPointer(capsule, "pycoll.Route")); }
@@ -265,6 +279,54 @@ int read_host(PyObject* x, bool writable, Host& out) {
     return out.dtype ? 0 : -1;
 }
 
+// An out= tensor: a writable host tensor of x's dtype (else 1: the general path says what is wrong).
+int read_out(PyObject* out, PyObject* dtype, Host& found) {
+    if (int read = read_host(out, true, found)) return read;
+    const int same = PyObject_RichCompareBool(found.dtype.get(), dtype, Py_EQ);
+    return same < 0 ? -1 : !same;
+}
+
+// x.shape as integers; false with an error.
+bool dims_of(PyObject* x, std::vector<int64_t>& dims) {
+    Ref shape(PyObject_GetAttr(x, s.shape));
+    Ref seq(shape ? PySequence_Fast(shape.get(), "shape") : nullptr);
+    if (!seq) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
+    dims.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        dims[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq.get(), i));
+        if (dims[i] == -1 && PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
+// A new result of x's kind and dtype, of `nbytes`, shaped `shape`, read for writing: torch's
+// own new_empty where empty_like would call it (empty_like's checks cost as much again).
+PyObject* new_like(PyObject* x, PyObject* shape, Py_ssize_t nbytes, Host& out) {
+    PyObject* torch = PyDict_GetItemWithError(fn.kinds, reinterpret_cast<PyObject*>(Py_TYPE(x)));
+    Ref result(torch == Py_True && nbytes < fn.huge_paged
+                   ? PyObject_CallMethodOneArg(x, s.new_empty, shape)
+                   : PyObject_CallFunctionObjArgs(fn.empty_like, x, shape, nullptr));
+    if (!result) return nullptr;
+    const int read = read_host(result.get(), true, out);
+    if (read > 0) PyErr_SetString(PyExc_TypeError, "empty_like made a result the short path cannot read");
+    return read ? nullptr : result.release();
+}
+
+// new_like shaped (rows, *dims[1:]), of `itemsize` elements.
+PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims, Py_ssize_t itemsize, Host& out) {
+    int64_t nbytes = rows * itemsize;
+    for (size_t i = 1; i < dims.size(); ++i) nbytes *= dims[i];
+    Ref shape(PyTuple_New(static_cast<Py_ssize_t>(std::max<size_t>(dims.size(), 1))));
+    if (!shape) return nullptr;
+    for (size_t i = 0; i < std::max<size_t>(dims.size(), 1); ++i) {
+        PyObject* extent = PyLong_FromLongLong(i == 0 ? rows : dims[i]);
+        if (!extent) return nullptr;
+        PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(i), extent);
+    }
+    return new_like(x, shape.get(), static_cast<Py_ssize_t>(nbytes), out);
+}
+
 // The route of (op, dtype), borrowed from our table; nullptr with no error: an op that is not
 // even hashable (the general path names what is wrong with it).
 const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
@@ -293,6 +355,7 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     }
     route->itemsize = itemsize;
     route->average = average;
+    route->name = name;
     try {
         route->dt = parse_dtype(name);
     } catch (const std::invalid_argument& error) {
@@ -305,28 +368,129 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     return PyDict_SetItem(fn.routes, key.get(), held.get()) < 0 ? nullptr : kept;
 }
 
-// The communicator handle and size of the group last resolved (a group's are fixed: the
-// resolver refuses one that shutdown released). The reference keeps that group alive, so
-// another cannot take its address.
-struct GroupParts {
-    PyObject* group = nullptr;
+// The communicator a collective runs on, its size and this process's rank in it.
+struct Target {
     intptr_t comm = 0;
     Py_ssize_t size = 0;
 };
+
+// The parts of the group last resolved (a group's are fixed: the resolver refuses one that
+// shutdown released). The reference keeps that group alive, so another cannot take its
+// address.
+struct GroupParts {
+    PyObject* group = nullptr;
+    Target target;
+};
 GroupParts last_group;
 
-const GroupParts* parts_of_group(PyObject* group) {
-    if (group == last_group.group) return &last_group;
-    Ref handle(PyObject_GetAttr(group, s.handle)), ranks(PyObject_GetAttr(group, s.ranks));
-    intptr_t comm;
-    if (!handle || !ranks || !as_ptr(handle.get(), comm)) return nullptr;
-    Py_ssize_t size = PyObject_Length(ranks.get());
-    if (size < 0) return nullptr;
-    Py_XSETREF(last_group.group, Py_NewRef(group));
-    last_group.comm = comm;
-    last_group.size = size;
-    return &last_group;
+// group= as the caller passed it; false with an error.
+bool target_of(PyObject* group, Target& out) {
+    if (group == Py_None) {
+        out = {world.comm, world.size};
+        return true;
+    }
+    Ref grp(PyObject_CallOneArg(fn.resolve, group));  // raises for what cannot be used
+    if (!grp) return false;
+    if (grp.get() != last_group.group) {
+        Ref handle(PyObject_GetAttr(grp.get(), s.handle)), ranks(PyObject_GetAttr(grp.get(), s.ranks));
+        intptr_t comm;
+        if (!handle || !ranks || !as_ptr(handle.get(), comm)) return false;
+        const Py_ssize_t size = PyObject_Length(ranks.get());
+        if (size < 0) return false;
+        Py_XSETREF(last_group.group, Py_NewRef(grp.get()));
+        last_group.target = {comm, size};
+    }
+    out = last_group.target;  // copied: another thread may change the cache meanwhile
+    return true;
 }
+
+int rank_in(const Target& t) {
+    int rank = -1;
+    mpi::comm_rank(t.comm, &rank);
+    return rank;
+}
+
+// ---------------------------------------------------------------- running one
+
+// Whether the short path may run at all now.
+bool active() { return fn.ready && settings.enabled && world.gate && mpi::bound(); }
+
+// The engine's token for one operation, given back when it goes out of scope (an error
+// already raised stays raised).
+class Token {
+   public:
+    Token(PyObject* name, PyObject* kind) : gate_(world.gate) {  // bind(None) may run meanwhile: ours
+        Py_XINCREF(gate_);
+        held_ = gate_ && claim(gate_, name == Py_None ? kind : name);
+    }
+    Token(const Token&) = delete;
+    Token& operator=(const Token&) = delete;
+    ~Token() {
+        if (held_) {
+            PyObject *type, *value, *trace;
+            PyErr_Fetch(&type, &value, &trace);
+            if (release(gate_) < 0) PyErr_WriteUnraisable(reinterpret_cast<PyObject*>(gate_));
+            PyErr_Restore(type, value, trace);
+        }
+        Py_XDECREF(gate_);
+    }
+    bool held() const { return held_; }
+
+   private:
+    Gate* gate_;
+    bool held_;
+};
+
+// MPI's error code as mpi4py's exception; nullptr.
+PyObject* mpi_failed(int code) {
+    Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
+    if (error) PyErr_SetObject(fn.mpi_error, error.get());
+    return nullptr;
+}
+
+// Runs `call` (MPI, returning its error code) without the GIL; true if it succeeded,
+// else false with mpi4py's exception set.
+template <class F> bool without_gil(F&& call) {
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = call();
+    Py_END_ALLOW_THREADS
+    if (code) mpi_failed(code);
+    return code == 0;
+}
+
+void scale(void* data, Py_ssize_t count, const Route& route, Py_ssize_t size) {
+    if (!route.average) return;
+    const double factor = 1.0 / static_cast<double>(size);
+    const DType dt = route.dt;
+    Py_BEGIN_ALLOW_THREADS
+    cpu::scale(data, static_cast<size_t>(count), dt, factor);
+    Py_END_ALLOW_THREADS
+}
+
+bool fits(int64_t n) { return n >= 0 && n <= INT_MAX; }
+
+// What every entry starts with: the arguments' count, then whether the short path runs.
+bool takes(Py_ssize_t nargs, Py_ssize_t wanted, const char* usage) {
+    if (nargs != wanted) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", usage, wanted);
+        return false;
+    }
+    return true;
+}
+
+// x's bytes and route: 0 read, 1 the general path's, -1 error.
+int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route) {
+    if (int read = read_host(x, writable, in)) return read;
+    route = route_of(op, x, in.dtype.get());
+    if (!route) return PyErr_Occurred() ? -1 : 1;
+    return 0;
+}
+
+PyObject* left(int read) { return read < 0 ? nullptr : none(); }
+
+// Rows split as evenly as possible, the first ranks taking one more (collectives._split_rows).
+int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
 
 }  // namespace
 
@@ -334,7 +498,8 @@ bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
-        {&s.ranks, "ranks"}, {&s.allreduce, "allreduce"},
+        {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
+        {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
@@ -343,17 +508,19 @@ bool init(PyObject* module) {
 }
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
-    static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "mpi_error",
-                                     "in_place", nullptr};
+    static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
+                                     "new_counts", "gather_failed", "mpi_error", "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.mpi_error, &f.in_place))
+                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.mpi_error, &f.in_place,
+                                     &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
     if (!f.kinds || !f.routes) return nullptr;
-    for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.mpi_error})
+    for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.new_counts,
+                           f.gather_failed, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
     f.ready = true;
     fn = f;
@@ -389,70 +556,318 @@ PyObject* bind(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "allreduce_now(x, inplace, op, group, name) takes 5 arguments");
-        return nullptr;
+uint64_t signature(const std::string& dtype, const int64_t* dims, size_t ndims) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    auto mix = [&h](const void* p, size_t n) {
+        for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
+    };
+    mix(dtype.data(), dtype.size() + 1);
+    mix(dims, ndims * sizeof(int64_t));
+    return h >> 2;  // an int64 > 0 either side
+}
+
+PyObject* row_signature(PyObject*, PyObject* args) {
+    const char* dtype;
+    PyObject* row_shape;
+    if (!PyArg_ParseTuple(args, "sO:row_signature", &dtype, &row_shape)) return nullptr;
+    Ref seq(PySequence_Fast(row_shape, "row_signature: row_shape must be a sequence of ints"));
+    if (!seq) return nullptr;
+    std::vector<int64_t> dims(static_cast<size_t>(PySequence_Fast_GET_SIZE(seq.get())));
+    for (size_t i = 0; i < dims.size(); ++i) {
+        dims[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq.get(), static_cast<Py_ssize_t>(i)));
+        if (dims[i] == -1 && PyErr_Occurred()) return nullptr;
     }
+    return PyLong_FromUnsignedLongLong(signature(dtype, dims.data(), dims.size()));
+}
+
+PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 5, "allreduce_now(x, inplace, op, group, name)")) return nullptr;
     PyObject *x = args[0], *op = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
-    Gate* gate = world.gate;
-    if (!fn.ready || !settings.enabled || !gate || !mpi::bound()) Py_RETURN_NONE;
-
+    if (!active()) Py_RETURN_NONE;
     Host in;
-    if (int read = read_host(x, inplace, in)) return read < 0 ? nullptr : none();
-    const Route* route = route_of(op, x, in.dtype.get());
-    if (!route) return PyErr_Occurred() ? nullptr : none();
+    const Route* route = nullptr;
+    if (int read = read_routed(x, inplace, op, in, route)) return left(read);
     if (in.nbytes > settings.max_bytes) Py_RETURN_NONE;  // in pieces, that stay in cache
     const Py_ssize_t count = in.nbytes / route->itemsize;
-    if (count > INT_MAX) Py_RETURN_NONE;
-
-    intptr_t comm = world.comm;
-    Py_ssize_t size = world.size;
-    if (group != Py_None) {
-        Ref grp(PyObject_CallOneArg(fn.resolve, group));  // raises for what cannot be used
-        if (!grp) return nullptr;
-        const GroupParts* g = parts_of_group(grp.get());
-        if (!g) return nullptr;
-        comm = g->comm;  // copied: another thread may change the cache meanwhile
-        size = g->size;
-    }
-
+    if (!fits(count)) Py_RETURN_NONE;
+    Target t;
+    if (!target_of(group, t)) return nullptr;
     Ref out;
     Host result;
     if (inplace) {
         out.reset(Py_NewRef(x));
     } else {
         Ref shape(PyObject_GetAttr(x, s.shape));
-        out.reset(shape ? PyObject_CallFunctionObjArgs(fn.empty_like, x, shape.get(), nullptr) : nullptr);
+        out.reset(shape ? new_like(x, shape.get(), in.nbytes, result) : nullptr);
         if (!out) return nullptr;
-        if (int read = read_host(out.get(), true, result)) return read < 0 ? nullptr : none();
     }
-    Py_INCREF(gate);  // bind(None) may run in another thread while MPI runs
-    Ref held(reinterpret_cast<PyObject*>(gate));
-    if (!claim(gate, name == Py_None ? s.allreduce : name))
-        return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
+    Token token(name, s.allreduce);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
     const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
     void* recv = inplace ? in.ptr : result.ptr;
-    int code;
-    Py_BEGIN_ALLOW_THREADS
-    code = mpi::allreduce(send, recv, static_cast<int>(count), route->datatype, route->op, comm);
-    Py_END_ALLOW_THREADS
+    if (!without_gil([&] { return mpi::allreduce(send, recv, static_cast<int>(count), route->datatype, route->op, t.comm); }))
+        return nullptr;
     ++runs;
-    if (release(gate) < 0) return nullptr;
-    if (code) {
-        Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
-        if (error) PyErr_SetObject(fn.mpi_error, error.get());
+    scale(recv, count, *route, t.size);
+    return out.release();
+}
+
+PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 5, "broadcast_now(x, inplace, root, group, name)")) return nullptr;
+    PyObject *x = args[0], *root_arg = args[2], *group = args[3], *name = args[4];
+    const bool inplace = args[1] == Py_True;
+    if (!active() || !PyLong_CheckExact(root_arg)) Py_RETURN_NONE;
+    Host in;
+    const Route* route = nullptr;
+    if (int read = read_routed(x, inplace, Py_None, in, route)) return left(read);
+    Target t;
+    if (!target_of(group, t)) return nullptr;
+    const long root = PyLong_AsLong(root_arg);
+    if (root < 0 || root >= t.size || !fits(in.nbytes)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;  // the general path says what is wrong, or goes in pieces
+    }
+    const bool root_here = rank_in(t) == root;
+    Ref out;
+    Host result;
+    if (inplace) {
+        out.reset(Py_NewRef(x));
+        result.ptr = in.ptr;
+    } else {
+        std::vector<int64_t> dims;
+        if (!dims_of(x, dims)) return nullptr;
+        out.reset(dims.empty() ? nullptr : new_result(x, dims[0], dims, route->itemsize, result));
+        if (!out) return PyErr_Occurred() ? nullptr : none();  // 0-d: the general path
+        if (root_here) std::memcpy(result.ptr, in.ptr, static_cast<size_t>(in.nbytes));
+    }
+    Token token(name, s.broadcast);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    void* data = result.ptr;
+    const int nbytes = static_cast<int>(in.nbytes), r = static_cast<int>(root);
+    if (!without_gil([&] { return mpi::bcast(data, nbytes, fn.byte, r, t.comm); })) return nullptr;
+    ++runs;
+    return out.release();
+}
+
+PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 5, "reduce_scatter_now(x, op, out, group, name)")) return nullptr;
+    PyObject *x = args[0], *op = args[1], *given = args[2], *group = args[3], *name = args[4];
+    if (!active()) Py_RETURN_NONE;
+    Host in;
+    const Route* route = nullptr;
+    if (int read = read_routed(x, false, op, in, route)) return left(read);
+    std::vector<int64_t> dims;
+    if (!dims_of(x, dims)) return nullptr;
+    if (dims.empty()) Py_RETURN_NONE;  // the general path refuses it
+    Target t;
+    if (!target_of(group, t)) return nullptr;
+    const int64_t rows = dims[0], count = in.nbytes / route->itemsize;
+    const int64_t row_count = rows ? count / rows : 0;
+    std::vector<int> counts(static_cast<size_t>(t.size));
+    for (Py_ssize_t r = 0; r < t.size; ++r) {
+        const int64_t n = rows_of_rank(rows, t.size, r) * row_count;
+        if (!fits(n)) Py_RETURN_NONE;
+        counts[r] = static_cast<int>(n);
+    }
+    const int rank = rank_in(t);
+    if (rank < 0 || rank >= t.size) Py_RETURN_NONE;
+    const int64_t mine = rows_of_rank(rows, t.size, rank);
+    Ref out;
+    Host result;
+    if (given == Py_None) {
+        out.reset(new_result(x, mine, dims, route->itemsize, result));
+        if (!out) return nullptr;
+    } else {
+        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
+        if (result.nbytes != mine * row_count * route->itemsize) Py_RETURN_NONE;
+        out.reset(Py_NewRef(given));
+    }
+    Token token(name, s.reduce_scatter);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    if (!without_gil([&] {
+            return mpi::reduce_scatter(in.ptr, result.ptr, counts.data(), route->datatype, route->op, t.comm);
+        }))
+        return nullptr;
+    ++runs;
+    scale(result.ptr, counts[rank], *route, t.size);
+    return out.release();
+}
+
+PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 4, "allgather_now(x, out, group, name)")) return nullptr;
+    PyObject *x = args[0], *given = args[1], *group = args[2], *name = args[3];
+    if (!active()) Py_RETURN_NONE;
+    Host in;
+    const Route* route = nullptr;
+    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
+    std::vector<int64_t> dims;
+    if (!dims_of(x, dims)) return nullptr;
+    Host result;
+    if (given != Py_None)
+        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
+    Target t;
+    if (!target_of(group, t)) return nullptr;
+    if (!fits(in.nbytes)) Py_RETURN_NONE;
+    const int64_t rows = dims.empty() ? 1 : dims[0];
+    const size_t rest = dims.empty() ? 0 : 1;
+    const int64_t row_bytes = rows ? in.nbytes / rows : route->itemsize *  // rows of 0: from the shape
+        std::accumulate(dims.begin() + static_cast<std::ptrdiff_t>(rest), dims.end(), int64_t{1},
+                        std::multiplies<int64_t>());
+    // What the general path exchanges too: rows, what a row is, out='s size (-1: none).
+    const int64_t meta[3] = {rows, static_cast<int64_t>(signature(route->name, dims.data() + rest, dims.size() - rest)),
+                             given == Py_None ? -1 : result.nbytes};
+    std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
+    Token token(name, s.allgather);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    if (!without_gil([&] { return mpi::allgather(meta, 3, fn.int64, gathered.data(), 3, fn.int64, t.comm); }))
+        return nullptr;
+    std::vector<int> counts(static_cast<size_t>(t.size)), displs(counts.size());
+    int64_t total = 0, total_rows = 0;
+    bool agreed = true;
+    for (size_t r = 0; r < counts.size(); ++r) {
+        const int64_t nbytes = gathered[3 * r] * row_bytes;
+        agreed &= gathered[3 * r + 1] == meta[1] && fits(nbytes) && fits(total);
+        counts[r] = static_cast<int>(nbytes);
+        displs[r] = static_cast<int>(total);
+        total += nbytes;
+        total_rows += gathered[3 * r];
+    }
+    for (size_t r = 0; r < counts.size(); ++r) agreed &= gathered[3 * r + 2] < 0 || gathered[3 * r + 2] == total;
+    if (!agreed) {  // every rank sees it: the general path's check raises on each
+        Ref meta_list(PyList_New(0));
+        for (int64_t v : gathered)
+            if (meta_list) {
+                Ref item(PyLong_FromLongLong(v));
+                if (!item || PyList_Append(meta_list.get(), item.get()) < 0) meta_list.reset(nullptr);
+            }
+        if (!meta_list) return nullptr;
+        Ref raised(PyObject_CallFunctionObjArgs(fn.gather_failed, x, given, group, name, meta_list.get(), nullptr));
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "allgather: the ranks' tensors disagree");
         return nullptr;
     }
-    if (route->average) {
-        const double factor = 1.0 / static_cast<double>(size);
-        const DType dt = route->dt;
-        Py_BEGIN_ALLOW_THREADS
-        cpu::scale(recv, static_cast<size_t>(count), dt, factor);
-        Py_END_ALLOW_THREADS
+    Ref out;
+    if (given == Py_None) {
+        out.reset(new_result(x, total_rows, dims.empty() ? std::vector<int64_t>{1} : dims, route->itemsize, result));
+        if (!out) return nullptr;
+    } else {
+        out.reset(Py_NewRef(given));
     }
+    const int nbytes = static_cast<int>(in.nbytes);
+    if (!without_gil([&] {
+            return mpi::allgatherv(in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte, t.comm);
+        }))
+        return nullptr;
+    ++runs;
     return out.release();
+}
+
+// splits as row counts: false if it is not a list or tuple of n ints >= 0 summing to rows.
+bool parse_splits(PyObject* splits, Py_ssize_t n, int64_t rows, std::vector<int64_t>& out) {
+    out.assign(static_cast<size_t>(n), rows / n);
+    if (splits == Py_None) return rows % n == 0;
+    if (!PyList_CheckExact(splits) && !PyTuple_CheckExact(splits)) return false;
+    if (PySequence_Fast_GET_SIZE(splits) != n) return false;
+    int64_t sum = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PySequence_Fast_GET_ITEM(splits, i);
+        if (!PyLong_CheckExact(item)) return false;
+        out[i] = PyLong_AsLongLong(item);
+        if (out[i] < 0) {
+            PyErr_Clear();
+            return false;
+        }
+        sum += out[i];
+    }
+    return sum == rows;
+}
+
+PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 4, "alltoall_now(x, splits, group, name)")) return nullptr;
+    PyObject *x = args[0], *splits = args[1], *group = args[2], *name = args[3];
+    if (!active()) Py_RETURN_NONE;
+    Host in;
+    const Route* route = nullptr;
+    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
+    std::vector<int64_t> dims;
+    if (!dims_of(x, dims)) return nullptr;
+    if (dims.empty() || !fits(in.nbytes)) Py_RETURN_NONE;  // the general path refuses or splits it
+    Target t;
+    if (!target_of(group, t)) return nullptr;
+    std::vector<int64_t> sent;
+    if (!parse_splits(splits, t.size, dims[0], sent)) Py_RETURN_NONE;
+    const int64_t row_bytes = route->itemsize * std::accumulate(dims.begin() + 1, dims.end(), int64_t{1},
+                                                                std::multiplies<int64_t>());
+    Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
+    Host got;
+    if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "new_counts(n) must make n writable int64s");
+        return nullptr;
+    }
+    auto* recv_splits = static_cast<int64_t*>(got.ptr);
+    Token token(name, s.alltoall);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    if (!without_gil([&] { return mpi::alltoall(sent.data(), 1, fn.int64, recv_splits, 1, fn.int64, t.comm); }))
+        return nullptr;
+    const size_t n = sent.size();
+    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
+    int64_t sent_total = 0, recv_total = 0, recv_rows = 0;
+    for (size_t r = 0; r < n; ++r) {
+        const int64_t s_bytes = sent[r] * row_bytes, r_bytes = recv_splits[r] * row_bytes;
+        if (!fits(r_bytes) || !fits(recv_total)) {
+            PyErr_Format(PyExc_ValueError, "alltoall: the part received from rank %zu is beyond MPI's limit of "
+                         "2^31-1 bytes; split the tensor and call alltoall on the pieces", r);
+            return nullptr;
+        }
+        scounts[r] = static_cast<int>(s_bytes);
+        sdispls[r] = static_cast<int>(sent_total);
+        rcounts[r] = static_cast<int>(r_bytes);
+        rdispls[r] = static_cast<int>(recv_total);
+        sent_total += s_bytes;
+        recv_total += r_bytes;
+        recv_rows += recv_splits[r];
+    }
+    Host result;
+    Ref out(new_result(x, recv_rows, dims, route->itemsize, result));
+    if (!out) return nullptr;
+    if (!without_gil([&] {
+            return mpi::alltoallv(in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
+                                  rdispls.data(), fn.byte, t.comm);
+        }))
+        return nullptr;
+    ++runs;
+    return PyTuple_Pack(2, out.get(), received.get());
+}
+
+PyObject* host_pointers(PyObject*, PyObject* xs) {
+    if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) Py_RETURN_NONE;
+    const Py_ssize_t n = PyList_GET_SIZE(xs);
+    PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(PyList_GET_ITEM(xs, 0)));
+    Ref ptrs(PyList_New(n)), sizes(PyList_New(n)), dtype;
+    if (!ptrs || !sizes) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* x = PyList_GET_ITEM(xs, i);
+        Host h;
+        if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != kind) Py_RETURN_NONE;
+        if (int read = read_host(x, true, h)) return left(read);
+        if (!dtype) {
+            dtype.reset(Py_NewRef(h.dtype.get()));
+        } else if (h.dtype.get() != dtype.get()) {  // dtype objects are singletons in numpy and torch
+            const int same = PyObject_RichCompareBool(h.dtype.get(), dtype.get(), Py_EQ);
+            if (same <= 0) return same < 0 ? nullptr : none();
+        }
+        PyObject* ptr = PyLong_FromVoidPtr(h.ptr);
+        PyObject* size = ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr;
+        if (!size) {
+            Py_XDECREF(ptr);
+            return nullptr;
+        }
+        PyList_SET_ITEM(ptrs.get(), i, ptr);
+        PyList_SET_ITEM(sizes.get(), i, size);
+    }
+    const Route* route = route_of(Py_None, PyList_GET_ITEM(xs, 0), dtype.get());
+    if (!route) return PyErr_Occurred() ? nullptr : none();
+    return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), route->name.c_str());
 }
 
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }

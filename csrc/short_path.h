@@ -1,4 +1,4 @@
-// The blocking allreduce's short path and the engine's Gate (short_path.cpp): CPython
+// The blocking collectives' short path and the engine's Gate (short_path.cpp): CPython
 // functions and a type that bindings.cpp registers in pycoll._C.
 #pragma once
 
@@ -8,17 +8,33 @@ namespace pycoll::short_path {
 
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
-// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, mpi_error, in_place):
-// the functions the short path calls, given once.
+// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
+// gather_failed, mpi_error, in_place, byte, int64): the functions and handles the short
+// path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
 // short_path_settings(enabled, max_bytes): given again whenever the settings change.
 PyObject* configure(PyObject*, PyObject* args);
 // short_path_bind(gate, world_handle, world_size) at init; short_path_bind(None) at shutdown.
 PyObject* bind(PyObject*, PyObject* args);
-// allreduce_now(x, inplace, op, group, name): the result (x itself in place), or None
-// where the short path does not apply.
+// Each collective's short path: its result (as the public function returns it), or None
+// where the short path does not apply and the general path must run it.
+// allreduce_now(x, inplace, op, group, name)
 PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-// short_path_runs() -> how many allreduces the short path has run in this process.
+// broadcast_now(x, inplace, root, group, name)
+PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// reduce_scatter_now(x, op, out, group, name)
+PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// allgather_now(x, out, group, name)
+PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// alltoall_now(x, splits, group, name) -> (result, received splits)
+PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// row_signature(dtype, row_shape) -> int: what allgather's ranks compare (both paths).
+PyObject* row_signature(PyObject*, PyObject* args);
+// host_pointers(xs) -> (addresses, byte sizes, dtype name) of a list of writable,
+// contiguous host tensors of one class and dtype, read as the short path reads one; None
+// for any other list.
+PyObject* host_pointers(PyObject*, PyObject* xs);
+// short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 
 }  // namespace pycoll::short_path

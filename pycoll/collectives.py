@@ -6,9 +6,10 @@ returns the result, ``allreduce_async`` returns a ``Work``. Trailing-underscore 
 work in place. CUDA buffers are staged through host memory unless the MPI is
 CUDA-aware (PYCOLL_CUDA_AWARE_MPI=1).
 """
+import functools
 import itertools
 import math
-import zlib
+import operator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
@@ -178,28 +179,17 @@ _MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
 
 
 def _short_route(op, x) -> tuple:
-    """How allreduce ``op`` of ``x`` (a host tensor the short path has read) goes to
-    MPI_Allreduce: (datatype handle, op handle, itemsize, average, dtype). Raises as the
-    general path would for an unknown op or one the dtype cannot take. The short path
-    asks once per (op, x.dtype) and keeps the answer."""
-    op, dtype = reduce_op(op), as_buffer(x).dtype   # "sum" is ReduceOp.SUM's key too
+    """How ``x`` (a host tensor the short path has read) goes to MPI, reduced by ``op``
+    (None: not reduced): (datatype handle, op handle or 0, itemsize, average, dtype).
+    Raises as the general path would for an unknown op or one the dtype cannot take. The
+    short path asks once per (op, x.dtype) and keeps the answer."""
+    dtype = as_buffer(x).dtype
+    if op is None:
+        return MPI._handleof(_MPI_TYPES[dtype]), 0, ITEMSIZE[dtype], False, dtype
+    op = reduce_op(op)                  # "sum" is ReduceOp.SUM's key too
     check_reduction(op, dtype)
     return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(mpi_op(op, dtype)), ITEMSIZE[dtype],
             op is Average, dtype)
-
-
-# The blocking allreduce's short path, in C (csrc/short_path.cpp): a contiguous host
-# tensor of one piece, while the engine is idle, goes straight to MPI_Allreduce. At a few
-# bytes the general path's planning and mpi4py's argument handling cost several times
-# the reduction. These are the functions it calls; runtime binds the world and the gate.
-_C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
-                    resolve=runtime.resolve, empty_like=tensors.empty_like,
-                    mpi_error=MPI.Exception, in_place=int(MPI.IN_PLACE))
-# Mismatch checks (ranks compare what they submit), link emulation (the modelled time
-# is added after the call) and the timeline and report happen on the general path only.
-config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link")
-                                            and not timeline.configured(),
-                                            config.get("chunk_bytes")))
 
 
 class _Many(NamedTuple):
@@ -255,7 +245,7 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
     if many.device != "cpu":
         _reduce_from_gpu(many, srcs, dsts, sizes, pieces, reduction, scale)
         return
-    contiguous = all(d + n == e for d, n, e in zip(dsts, sizes, dsts[1:]))
+    contiguous = list(map(operator.add, dsts[:-1], sizes)) == dsts[1:]   # C loops, not Python's
     packed = contiguous and srcs == dsts         # views of one buffer, reduced in place
     for begin, nbytes in pieces:
         end = begin + nbytes
@@ -332,6 +322,12 @@ def _allreduce_many(many: _Many) -> None:
     (a group of one goes alone too). Every rank splits the list the same way."""
     threshold = config.get("fusion_threshold")
     direct = _direct(many.device)
+    if max(many.sizes) < _ALONE_BYTES and sum(many.sizes) <= threshold:     # one group
+        if len(many.sizes) > 1:
+            _allreduce_fused(many, range(len(many.sizes)))
+        else:
+            _allreduce_one(many.item(0))
+        return
     group: List[int] = []
     size = 0
     for i, nbytes in enumerate(many.sizes + [None]):
@@ -411,32 +407,48 @@ def _plan_allgather(x, group, name, out=None):
         row_shape = tuple(src.shape[1:])
         grp.agree("allgather", name, dtype=src.dtype, row_shape=row_shape)
         # One int64 Allgather (not a pickled one): rows, what the rows are, out='s size.
-        signature = zlib.crc32(repr((row_shape, src.dtype)).encode())
-        meta = np.array([rows, signature, -1 if given is None else given.nbytes], np.int64)
+        meta = np.array([rows, _C.row_signature(src.dtype, row_shape),
+                         -1 if given is None else given.nbytes], np.int64)
         gathered = np.empty((grp.size(), 3), np.int64)
-        grp.comm.Allgather(meta, gathered)
-        all_rows, signatures, out_bytes = zip(*gathered.tolist())
-        if len(set(signatures)) > 1:                    # every rank sees it: all raise
-            found = grp.comm.allgather((rows, row_shape, src.dtype))
-            raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
-                             f"first; rank: (rows, other dims, dtype) = {dict(enumerate(found))}")
-        row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
-        counts = [r * row_bytes for r in all_rows]
-        wrong = [r for r, nbytes in enumerate(out_bytes) if nbytes >= 0 and nbytes != sum(counts)]
-        if wrong:
-            raise ValueError(f"{name}: out= must hold the {sum(counts)} gathered bytes "
-                             f"({sum(all_rows)} rows of {row_shape}); ranks {wrong} passed "
-                             f"{[out_bytes[r] for r in wrong]} bytes")
+        grp.comm.Allgather([meta, MPI.INT64_T], [gathered, MPI.INT64_T])
+        counts = _allgather_counts(name, grp, src, gathered.tolist())
         result = out if given is not None else tensors.empty_like(
-            x, (sum(all_rows),) + row_shape)
+            x, (int(gathered[:, 0].sum()),) + row_shape)
         dst = given or as_buffer(result, writable=True)
-        _check_counts(name, counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
             grp.comm.Allgatherv(message(s, src.nbytes),
                                 [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                  _displacements(counts), MPI.BYTE])
         return result
     return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
+
+
+def _allgather_counts(name: str, grp: runtime.Group, src: Buffer, gathered) -> List[int]:
+    """Each rank's bytes, from the (rows, row signature, out='s bytes or -1) that every
+    rank sent; raises, on every rank (all see the same), where the ranks' rows differ in
+    dtype or shape, an out= has the wrong size or a part is beyond MPI's counts."""
+    rows, row_shape = (src.shape[0] if src.shape else 1), tuple(src.shape[1:])
+    all_rows, signatures, out_bytes = zip(*gathered)
+    if len(set(signatures)) > 1:
+        found = grp.comm.allgather((rows, row_shape, src.dtype))
+        raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
+                         f"first; rank: (rows, other dims, dtype) = {dict(enumerate(found))}")
+    row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
+    counts = [r * row_bytes for r in all_rows]
+    wrong = [r for r, nbytes in enumerate(out_bytes) if nbytes >= 0 and nbytes != sum(counts)]
+    if wrong:
+        raise ValueError(f"{name}: out= must hold the {sum(counts)} gathered bytes "
+                         f"({sum(all_rows)} rows of {row_shape}); ranks {wrong} passed "
+                         f"{[out_bytes[r] for r in wrong]} bytes")
+    _check_counts(name, counts, "bytes")
+    return counts
+
+
+def _allgather_failed(x, out, group, name, meta) -> None:
+    """The short path's allgather found the ranks' (flat) ``meta`` in disagreement: the
+    general path's error."""
+    _allgather_counts(name or "allgather", runtime.resolve(group), as_buffer(x),
+                      list(zip(*[iter(meta)] * 3)))
 
 
 def _output(out, dtype: str, what: str) -> Buffer:
@@ -535,7 +547,7 @@ def _plan_alltoall(x, splits, group, name):
     def run():
         grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
         recv_splits = np.empty(n, np.int64)
-        grp.comm.Alltoall(send_splits, recv_splits)
+        grp.comm.Alltoall([send_splits, MPI.INT64_T], [recv_splits, MPI.INT64_T])
         received = recv_splits.tolist()             # Python ints: numpy's cost more here
         out = tensors.empty_like(x, (sum(received),) + row_shape)
         dst = as_buffer(out, writable=True)
@@ -560,6 +572,25 @@ def _plan_barrier(group, name):
         with timeline.phase("in MPI"):
             grp.comm.Barrier()
     return name, emulation.timed("barrier", grp.comm, 0, run)
+
+
+# The blocking collectives' short path, in C (csrc/short_path.cpp): contiguous host
+# tensors, while the engine is idle, go straight to MPI, with the same calls as the
+# planners above make. At small sizes the general path's planning and mpi4py's argument
+# handling cost several times the communication. These are the functions and handles it
+# uses; runtime binds the world and the gate.
+_C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
+                    resolve=runtime.resolve, empty_like=tensors.empty_like,
+                    huge_paged=tensors.HUGE_PAGED,
+                    new_counts=functools.partial(np.empty, dtype=np.int64),
+                    gather_failed=_allgather_failed, mpi_error=MPI.Exception,
+                    in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
+                    int64=MPI._handleof(MPI.INT64_T))
+# Mismatch checks (ranks compare what they submit), link emulation (the modelled time
+# is added after the call) and the timeline and report happen on the general path only.
+config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link")
+                                            and not timeline.configured(),
+                                            config.get("chunk_bytes")))
 
 
 # ---------------------------------------------------------------- public API
@@ -632,7 +663,8 @@ def grouped_allreduce_async_(xs, op=Average, group=None, name: Optional[str] = N
 def allgather(x, group=None, name: Optional[str] = None, out=None):
     """Concatenate every rank's ``x`` along dim 0 (dim-0 sizes may differ); into ``out``
     (contiguous, of the total size) if given, else a new tensor."""
-    return _run(_plan_allgather(x, group, name, out))
+    got = _C.allgather_now(x, out, group, name)
+    return got if got is not None else _run(_plan_allgather(x, group, name, out))
 
 
 def allgather_async(x, group=None, name: Optional[str] = None, out=None) -> Work:
@@ -641,11 +673,14 @@ def allgather_async(x, group=None, name: Optional[str] = None, out=None) -> Work
 
 def broadcast(x, root: int = 0, group=None, name: Optional[str] = None):
     """``root``'s ``x`` on every rank, as a new tensor."""
-    return _run(_plan_broadcast(x, root, group, name, inplace=False))
+    got = _C.broadcast_now(x, False, root, group, name)
+    return got if got is not None else _run(_plan_broadcast(x, root, group, name, inplace=False))
 
 
 def broadcast_(x, root: int = 0, group=None, name: Optional[str] = None):
     """Overwrite ``x`` with ``root``'s; returns ``x``."""
+    if _C.broadcast_now(x, True, root, group, name) is not None:
+        return x
     return _run(_plan_broadcast(x, root, group, name, inplace=True))
 
 
@@ -660,7 +695,8 @@ def broadcast_async_(x, root: int = 0, group=None, name: Optional[str] = None) -
 def reduce_scatter(x, op=Average, group=None, name: Optional[str] = None, out=None):
     """Reduce ``x`` and give each rank its block of dim 0 (first ranks get the extra rows);
     into ``out`` (contiguous, of the block's size) if given, else a new tensor."""
-    return _run(_plan_reduce_scatter(x, op, group, name, out))
+    got = _C.reduce_scatter_now(x, op, out, group, name)
+    return got if got is not None else _run(_plan_reduce_scatter(x, op, group, name, out))
 
 
 def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None,
@@ -670,7 +706,8 @@ def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None,
 
 def alltoall(x, splits=None, group=None, name: Optional[str] = None):
     """Send row block ``splits[r]`` of ``x`` to rank r; returns (tensor, received splits)."""
-    return _run(_plan_alltoall(x, splits, group, name))
+    got = _C.alltoall_now(x, splits, group, name)
+    return got if got is not None else _run(_plan_alltoall(x, splits, group, name))
 
 
 def alltoall_async(x, splits=None, group=None, name: Optional[str] = None) -> Work:

@@ -98,6 +98,7 @@ class Engine:
             if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
                 self._close_open()
                 batch = self._open = _Batch(run, key)
+                self._sync()                    # only a new or closed batch changes the count
                 if config.get("cycle_time_ms"):
                     self._wake()                # to time the new batch's cycle
             work = Work(name, self.flush, batch.done)
@@ -108,7 +109,6 @@ class Engine:
             batch.nbytes += nbytes
             if batch.nbytes >= threshold:
                 self._close_open()
-            self._sync()
         return work
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:

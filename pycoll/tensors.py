@@ -225,52 +225,35 @@ def is_torch(x) -> bool:
 
 def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
     """(addresses, byte sizes, dtype) of writable, contiguous CPU tensors, all of one
-    class and dtype, read in one pass: a grouped call over many small tensors spends most
-    of its time reading them one by one. None when ``xs`` is not such a list, or is of a
-    kind read only one at a time: ``as_buffer`` then reads each and says what is wrong."""
-    if not xs:
-        return None
-    kind = type(xs[0])
-    reader = _HOST_LISTS.get(_READERS.get(kind) or _reader(xs[0]))
-    if reader is None or any(type(x) is not kind for x in xs):
-        return None
-    return reader(xs)
+    class and dtype, read in one pass in C, as the short path reads one: a grouped call
+    over many small tensors spends most of its time reading them one by one. None when
+    ``xs`` is not such a list: ``as_buffer`` then reads each and says what is wrong."""
+    return _C.host_pointers(xs if type(xs) is list else list(xs))
 
 
 def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
     """One new buffer of ``sum(sizes)`` bytes, of the kind and dtype of ``xs`` (host
     tensors that ``host_pointers`` read), seen as one view shaped like each ``x``; the
-    views and the buffer's address."""
+    views and the buffer's address. Each run of equal shapes is cut in one call (torch's
+    unbind, numpy's iteration over rows): a view made one at a time costs more than the
+    reduction of its bytes."""
     first = as_array(xs[0])
-    flat = empty_like(first, (sum(sizes) // first.itemsize if hasattr(first, "itemsize")
-                              else sum(sizes) // first.element_size(),))
-    if hasattr(flat, "split"):                                     # torch: one C call
-        parts = flat.split([x.numel() for x in xs])
-        return [p if x.dim() == 1 else p.view(x.shape) for p, x in zip(parts, xs)], \
-            flat.data_ptr()
-    ends = list(itertools.accumulate(x.size for x in xs))
-    return [flat[e - x.size:e].reshape(x.shape) for x, e in zip(xs, ends)], flat.ctypes.data
-
-
-def _numpy_host_pointers(arrays) -> Optional[tuple]:
-    dtype = arrays[0].dtype
-    name = _NUMPY_DTYPES.get(dtype)
-    found = [_C.address(a) for a in arrays]
-    if name is None or any(f is None or f[1] for f in found) or any(a.dtype != dtype
-                                                                      for a in arrays):
-        return None
-    return [f[0] for f in found], [a.nbytes for a in arrays], name
-
-
-def _torch_host_pointers(ts) -> Optional[tuple]:
-    dtype = ts[0].dtype
-    name = _TORCH_DTYPES.get(dtype) or _torch_dtype(ts[0])
-    if not all(t.dtype is dtype and t.is_cpu and t.is_contiguous() for t in ts):
-        return None
-    return [t.data_ptr() for t in ts], [t.nbytes for t in ts], name
-
-
-_HOST_LISTS = {_from_numpy: _numpy_host_pointers, _from_torch: _torch_host_pointers}
+    itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
+    flat = empty_like(first, (sum(sizes) // itemsize,))
+    views: list = []
+    start = 0
+    for shape, run in itertools.groupby(x.shape for x in xs):
+        count, extent = sum(1 for _ in run), math.prod(shape)
+        block = flat[start:start + count * extent]
+        if count == 1:
+            views.append(block.reshape(shape))
+        elif shape:                     # iterating over dim 0: torch unbinds, numpy views rows
+            views.extend(block.reshape((count,) + tuple(shape)))
+        else:                           # numpy would give scalars, not 0-d arrays
+            views.extend(block[i:i + 1].reshape(()) for i in range(count))
+        start += count * extent
+    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
+    return views, base
 
 
 def _has_buffer_protocol(x) -> bool:
@@ -290,7 +273,7 @@ def as_array(x):
 # allocator does not: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms from
 # numpy and 50-56 ms from torch.empty, nearly all of it page faults. Large torch outputs
 # are therefore numpy memory seen as a tensor.
-_HUGE_PAGED = 4 * 2**20
+HUGE_PAGED = 4 * 2**20
 
 
 def empty_like(x, shape):
@@ -298,7 +281,7 @@ def empty_like(x, shape):
     x = as_array(x)
     if hasattr(x, "new_empty"):                                   # torch
         nbytes = math.prod(shape) * x.element_size()
-        if x.is_cpu and nbytes >= _HUGE_PAGED:
+        if x.is_cpu and nbytes >= HUGE_PAGED:
             torch = sys.modules["torch"]
             return torch.from_numpy(np.empty(nbytes, np.uint8)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))

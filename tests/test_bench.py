@@ -103,13 +103,14 @@ def test_plot(small_sweep):
 @pytest.fixture(scope="module")
 def fusion_run(tmp_path_factory):
     """bench/fusion.py at 2 ranks, shrunk (ResNet-50 list x 1/100, 50 x 4 KiB, 256 KiB),
-    --check at thresholds that split the lists (4 KiB: every tensor alone) or not, chunks
+    each form with Average on torch and numpy, --check (Sum and Average) at thresholds that split the lists (4 KiB: every tensor alone) or not, chunks
     that cut tensors and cycle times; (stdout, JSON)."""
     out = tmp_path_factory.mktemp("fusion") / "fusion.json"
     stdout = run_bench(FUSION, "--scale", "0.01", "--small-count", "50", "--iters", "2",
                        "--batches", "2", "--warmup", "1", "--target-ms", "5",
                        "--large-bytes", "256K", "--thresholds", "4K,64K,16M",
-                       "--chunks", "1000,16M", "--cycles", "0,1", "--check", "--json", out)
+                       "--chunks", "1000,16M", "--cycles", "0,1", "--ops", "average",
+                       "--kinds", "torch,numpy", "--check", "--json", out)
     return stdout, json.loads(out.read_text())
 
 
@@ -122,6 +123,7 @@ def test_fusion_output(fusion_run):
     assert "pycoll/mpi4py-concat" in stdout and "mpi4py-per-tensor/pycoll" in stdout
     assert "mpi4py-per-tensor/pycoll-grouped" in stdout
     assert "pycoll-grouped-new/mpi4py-concat" in stdout
+    assert "worst grouped form/mpi4py-concat" in stdout and "/floor" in stdout
     assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
 
 
@@ -132,9 +134,11 @@ def test_fusion_json(fusion_run):
     assert [m["rank"] for m in meta["memory"]] == [0, 1]
     assert all(m["peak_rss_mib"] > 0 for m in meta["memory"])
     main = {(r["case"], r["impl"]) for r in rows if r["section"] == "main"}
+    forms = ("pycoll", "pycoll-grouped", "pycoll-grouped-new")
+    every_form = [f"{f}:average:{kind}" for f in forms for kind in ("torch", "numpy")]
     assert main == {(c, i) for c in ("resnet50", "small", "large")
-                    for i in ("pycoll", "pycoll-grouped", "pycoll-grouped-new", "mpi4py-concat",
-                              "mpi4py-per-tensor", "gloo-per-tensor", "gloo-concat")}
+                    for i in every_form + ["mpi4py-concat", "mpi4py-per-tensor",
+                                           "gloo-per-tensor", "gloo-concat"]}
     for r in rows:
         assert r["time_us"] > 0 and r["bytes"] > 0
     resnet = next(r for r in rows if r["case"] == "resnet50")

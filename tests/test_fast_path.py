@@ -1,4 +1,4 @@
-"""The blocking allreduce's short path: a host tensor straight to MPI_Allreduce, in _C.
+"""The blocking collectives' short path: host tensors straight to MPI, in _C.
 
 It must give what the general path gives, and step aside (to the general path, which
 raises on bad input) whenever it cannot keep the engine's order or read the tensor.
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 @pytest.fixture
 def short_runs(settings, monkeypatch, pycoll_world):
     """PYCOLL_CHECK off (the suite's default turns it on, and it disables the short
-    path); how many allreduces the short path has run since."""
+    path); how many collectives the short path has run since."""
     settings(check=False)
     start = _C.short_path_runs()
     return lambda: _C.short_path_runs() - start
@@ -120,3 +120,80 @@ def test_groups_in_turn_each_average_over_their_own_size(short_runs):
             np.testing.assert_array_equal(pycoll.allreduce(x, group=first), 0)
             np.testing.assert_array_equal(pycoll.allreduce_(x + 5, group=first), 5)
     assert short_runs() == (9 if pycoll.rank() == 0 else 3)
+
+
+def _every_collective(kind, arg, rank, size):
+    """Calls of each collective but allreduce in its forms, on fresh rank-tagged tensors:
+    uneven rows, out=, list splits."""
+    tensor = torch.tensor if kind == "torch" else np.array
+
+    def x(rows, fill=rank):
+        return tensor((np.arange(rows * 3).reshape(rows, 3) + 100 * fill).astype(np.float32))
+
+    rows = 2 * size + 1                           # reduce_scatter's first rank gets more
+    mine = rows // size + (rank < rows % size)
+    splits = [r + 1 for r in range(size)]         # alltoall: rank r gets r + 1 rows from each
+    return [
+        lambda: pycoll.broadcast(x(3), root=size - 1, group=arg),
+        lambda: pycoll.broadcast_(x(3), root=0, group=arg),
+        lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Average, group=arg),
+        lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Sum, group=arg, out=x(mine, 0)),
+        lambda: pycoll.allgather(x(rank + 1), group=arg),
+        lambda: pycoll.allgather(x(2), group=arg, out=x(2 * size, 0)),
+        lambda: pycoll.alltoall(x(2 * size), group=arg),
+        lambda: pycoll.alltoall(x(sum(splits)), splits=splits, group=arg),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_every_collective_takes_the_short_path_and_equals_the_general_one(settings, group,
+                                                                          short_runs, kind):
+    calls = _every_collective(kind, *group)
+    short = [call() for call in calls]
+    assert short_runs() == len(calls)
+    settings(check=True)    # the general path
+    general = [call() for call in calls]
+    assert short_runs() == len(calls)
+    for got, want in zip(short, general):
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want):
+            assert type(a) is type(b) and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_collective_keeps_the_issue_order(group, short_runs):
+    """Each steps aside while an async allreduce issued before it is still unsent."""
+    arg, rank, size = group
+    for call in _every_collective("numpy", arg, rank, size):
+        pending = pycoll.allreduce_async_(np.ones(2), op=pycoll.Sum, group=arg)
+        call()
+        assert pending.is_completed()
+    assert short_runs() == 0
+
+
+def test_short_path_allgather_names_what_the_ranks_disagree_on(group, short_runs):
+    arg, rank, size = group
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    dtype = np.float32 if rank == 0 else np.float64
+    with pytest.raises(ValueError, match="must agree in dtype"):
+        pycoll.allgather(np.zeros((2, 3), dtype), group=arg)
+    with pytest.raises(ValueError, match="out= must hold"):
+        pycoll.allgather(np.zeros(2), group=arg, out=np.zeros(2 * size + 1))
+    np.testing.assert_array_equal(pycoll.allgather(np.full(1, rank), group=arg), range(size))
+    assert short_runs() == 1        # and the token came back after each error
+
+
+def test_what_the_short_path_leaves_to_the_other_collectives_general_paths(group, short_runs):
+    arg, rank, size = group
+    with pytest.raises(ValueError, match="root must be a rank"):
+        pycoll.broadcast(np.ones(2), root=size, group=arg)
+    with pytest.raises(ValueError, match="0-d"):
+        pycoll.reduce_scatter(np.float32(1.0) * np.ones(()), group=arg)
+    with pytest.raises(ValueError, match="splits must be"):
+        pycoll.alltoall(np.ones(size), splits=[2] * size, group=arg)
+    with pytest.raises(TypeError, match="out= is float64"):
+        pycoll.allgather(np.ones(2, np.float32), group=arg, out=np.ones(2 * size))
+    with pytest.raises(ValueError, match="contiguous"):
+        pycoll.alltoall(np.arange(4.0 * size)[::2], group=arg)
+    assert short_runs() == 0

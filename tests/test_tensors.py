@@ -111,3 +111,24 @@ def test_large_torch_outputs_are_whole_tensors_of_their_own(dtype):
     b.fill_(2)
     assert a.data_ptr() != b.data_ptr() and int(a[-1, -1]) == 1 and int(b[0, 0]) == 2
     assert tuple(tensors.empty_like(x, (0, 2**22)).shape) == (0, 2**22)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_views_like_cuts_one_buffer_in_order_by_runs_of_shapes(kind):
+    shapes = [(3,), (3,), (2, 2), (2, 2), (2, 2), (), (), (0,), (0,), (5,), (1, 3)]
+    make = (lambda s: np.zeros(s, np.float32)) if kind == "numpy" else \
+        (lambda s: torch.zeros(s, dtype=torch.float32))
+    xs = [make(s) for s in shapes]
+    sizes = [as_buffer(x).nbytes for x in xs]
+    views, base = tensors.views_like(xs, sizes)
+    assert [tuple(v.shape) for v in views] == shapes
+    assert all(type(v) is type(xs[0]) and v.dtype == xs[0].dtype for v in views)
+    at = base
+    for view, nbytes in zip(views, sizes):      # back to back, in the order of xs
+        buf = as_buffer(view, writable=True)
+        assert buf.ptr == at or nbytes == 0
+        at += nbytes
+    for i, view in enumerate(views):            # one buffer: writes land in their own view
+        view[...] = i
+    assert [float(np.asarray(v).sum()) for v in views] == \
+        [i * max(1, int(np.prod(s))) * (0 not in s) for i, s in enumerate(shapes)]

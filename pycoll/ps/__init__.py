@@ -307,11 +307,12 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
     """R²SP: wait for this worker's turn to push (see ``r2sp``). ``samples``: in the
     gradient to be pushed; ``busy_s``: how long this worker's last iteration took, less
     its wait for the turn (periods and batch sizes follow it; 0 if unknown). Returns
-    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s"}``;
-    with ``wait=False`` at once, an object whose ``wait()`` returns it (ask as the
-    computing starts, wait before pushing: the gate's messages overlap the compute).
-    ``turn(0)`` leaves the ring (done training; asking again rejoins it) and answers a
-    turn still asked for with ``{}``."""
+    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s",
+    "delay_s": the hold before pushing (already waited), "lost": turns this worker lost
+    since its last one}``; with ``wait=False`` at once, an object whose ``wait()``
+    returns it (ask as the computing starts, wait before pushing: the gate's messages
+    overlap the compute). Push right after it returns. ``turn(0)`` leaves the ring (done
+    training; asking again rejoins it) and answers a turn still asked for with ``{}``."""
     client = _client()
     if not _state.policy.turns:
         raise RuntimeError(f"pycoll.ps.turn() is for policies whose workers take turns "
@@ -325,6 +326,7 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
         if got:                                  # not void (the worker left the ring)
             client.counters["turns"] = client.counters.get("turns", 0) + 1
             client.counters["batch_size"] = got["batch"]
+            got["push_at"] = time.monotonic() + got["delay_s"]     # the push's slot
         return got
     pending = _Turn(client, client.submit("pycoll.ps turn", parts, answer))
     return pending.wait() if wait else pending
@@ -339,7 +341,9 @@ class _Turn:
     def wait(self) -> dict:
         started = time.monotonic()
         try:
-            return self.work.wait()
+            got = self.work.wait()
+            emulation.sleep_until(got.pop("push_at", 0.0))
+            return got
         finally:
             counters = self.client.counters
             counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + time.monotonic() - started

@@ -152,7 +152,6 @@ class Coordinator:
         self.policy, self.n, self.timeout = policy, workers, timeout
         self.active = [True] * workers
         self.turn = 0                            # whose turn it is
-        self.last_release = -math.inf
         self.waiting: Dict[int, float] = {}      # worker -> when it asked
         self.asked: List[Optional[float]] = [None] * workers
         self.released: List[Optional[float]] = [None] * workers
@@ -174,7 +173,15 @@ class Coordinator:
         self.previous = -1                       # the worker released last
         self.work = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
         self.iteration = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
-        self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn
+        self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn, slot
+        # One push at a time: the released workers whose push server 0 has not seen yet,
+        # when the latest released push is due there, and when the one arriving ends.
+        self.unpushed: set = set()
+        self.slot = self.end = -math.inf
+        self.delay = [0.0] * workers             # each one's hold, given with its release
+        self.lost_before = [0] * workers         # skipped[w] at w's last release
+        self.durations = collections.deque(maxlen=self.RECENT)   # of pushes at server 0
+        self.latencies = collections.deque(maxlen=self.RECENT)   # release -> push, less hold
 
     # ------------------------------------------------------------ requests
     def ask(self, worker: int, samples: int, busy_s: float, now: float) -> None:
@@ -198,6 +205,7 @@ class Coordinator:
             self.speed[worker] = speed if not old else old + SPEED_SMOOTHING * (speed - old)
         self.reports[worker] += 1
         self.active[worker], self.missed[worker] = True, 0     # back in the ring
+        self.unpushed.discard(worker)            # its push, if any, is done
         self.asked[worker] = now
         self.first_ask = now if self.first_ask is None else self.first_ask
         self.samples[worker] = samples
@@ -207,6 +215,7 @@ class Coordinator:
         """``worker`` is done: it no longer has a turn."""
         self.active[worker] = False
         self.waiting.pop(worker, None)
+        self.unpushed.discard(worker)
         if self.turn == worker:
             self.turn = self._after(worker)
 
@@ -214,15 +223,33 @@ class Coordinator:
         """Forget ``worker``'s request (the server answered it with an error)."""
         self.waiting.pop(worker, None)
 
+    def pushing(self, worker: int, now: float) -> None:
+        """A push of ``worker`` has reached server 0 (its header, ``now``): once a push's
+        time there is known, the link is taken until about ``now`` plus that, and the
+        next turn may go."""
+        if worker in self.unpushed:
+            self.latencies.append(now - self.released[worker] - self.delay[worker])
+            if self.durations:
+                self.unpushed.discard(worker)
+                self.end = now + statistics.median(self.durations)
+
+    def pushed(self, worker: int, seconds: float, now: float) -> None:
+        """The payload of ``worker``'s push was all in at ``now``, ``seconds`` after its
+        header (the first push frees the link only then)."""
+        self.durations.append(seconds)
+        if worker in self.unpushed:
+            self.unpushed.discard(worker)
+            self.end = now
+
     def poll(self, now: float) -> List[tuple]:
         """``[(worker, answer)]`` for the workers released now, in release order."""
         out = []
         if any(a and t is None for a, t in zip(self.active, self.asked)):
             return out                           # the start line: not every worker has asked
-        while self.waiting:
+        while self.waiting and not self.unpushed:    # one push at a time
             self._pass_over()
             gap, period = self.gap(), self.period()
-            if self.turn in self.waiting and now >= self.last_release + gap:
+            if self.turn in self.waiting:
                 out.append(self._release(self.turn, now, gap, True))
                 continue
             if period is not None:
@@ -236,12 +263,13 @@ class Coordinator:
 
     def next_due(self, now: float) -> Optional[float]:
         """When ``poll`` may next release someone (None: only a request can change it)."""
-        if not self.waiting or any(a and t is None for a, t in zip(self.active, self.asked)):
+        if not self.waiting or self.unpushed or \
+                any(a and t is None for a, t in zip(self.active, self.asked)):
             return None
         due, period = math.inf, self.period()
         self._pass_over()
         if self.turn in self.waiting:
-            due = self.last_release + self.gap()
+            due = now
         if period is not None:
             due = min(due, min(self.waiting.values()) + self.policy.patience * period)
         return due if due < math.inf else None
@@ -306,14 +334,23 @@ class Coordinator:
         self.wait_s[worker] += waited
         self.longest_wait[worker] = max(self.longest_wait[worker], waited)
         self.turns[worker] += 1
-        self.released[worker] = self.last_release = now
-        self.log.append((worker, now, gap, in_turn))
+        # Its push is due at server 0 a gap after the last one's, and not before that one
+        # ends; the answer goes now, ahead by the turn's measured latency (release to push
+        # arriving, less the hold), and the worker holds its push for the rest.
+        lead = min(self.latencies) if self.latencies else 0.0
+        self.slot = max(now + lead, self.slot + gap, self.end)
+        self.delay[worker] = self.slot - now - lead
+        self.unpushed.add(worker)
+        self.released[worker] = now
+        self.log.append((worker, now, gap, in_turn, self.slot))
+        lost, self.lost_before[worker] = self.skipped[worker] - self.lost_before[worker], \
+            self.skipped[worker]
         if self.plan is not None:
             self.batch[worker] = self.plan[worker]
         self.batches[worker] += self.batch[worker]
         weight = self.samples[worker] * self.n / sum(self.base)
         return worker, dict(weight=weight, batch=self.batch[worker], period_s=self.period(),
-                            gap_s=gap)
+                            gap_s=gap, delay_s=self.delay[worker], lost=lost)
 
     def _plan(self) -> None:
         """This round's batch sizes: the global batch split by speed (after the warm-up)."""
@@ -334,6 +371,7 @@ class Coordinator:
             return statistics.median(values) if values else None
         return dict(
             period_s=self.period(), gap_s=self.gap(), rounds=self.rounds,
+            push_s=median(self.durations), lead_s=min(self.latencies, default=None),
             out_of_turn=self.out_of_turn, global_batch=sum(self.base),
             workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
                           longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],

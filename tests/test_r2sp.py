@@ -31,7 +31,7 @@ def simulate(speeds, rounds, base=32, comm=0.002, policy=None, stop=None):
         assert now < math.inf, "nothing can happen: the gate is stuck"
         for w in sorted(w for w, t in push_at.items() if t <= now):
             del push_at[w]
-            coord.pushing(w, now)
+            coord.pushing(w, now, now)
             coord.pushed(w, comm / 2, now + comm / 2)
             pushes.append((w, now, now + comm / 2))
             if stop is None or (w, coord.turns[w]) != stop:
@@ -127,7 +127,7 @@ def test_a_worker_that_lost_turns_misses_n_minus_1_updates_per_round():
                   + ([due] if due is not None else []))
         for w in sorted(w for w, t in push_at.items() if t <= now):
             del push_at[w]
-            coord.pushing(w, now)
+            coord.pushing(w, now, now)
             coord.pushed(w, 0.001, now + 0.001)
             pushes.append((w, now, now + 0.001))
             late = 0.08 if w == 2 and len(pushes) % 3 == 0 else 0.0     # every third

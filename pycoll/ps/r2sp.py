@@ -6,32 +6,51 @@ at a time:
 
 - The gate. Before each push a worker asks server 0's ``Coordinator`` for its turn
   (``wire.TURN``, ``pycoll.ps.turn``; ``TorchWorker`` does it). The coordinator
-  releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), each at least
-  ``gap`` after the previous release: ``gap = P / (safety * N)``, P the iteration period
-  (the median of the workers' last ``window * N`` iteration times, computing and
-  communicating, as each reports them with its request), so the gate spaces pushes
-  without stretching the period (``safety`` 1.2, the authors' "about 1.2N"). P leaves
-  out the wait for a turn on purpose: measured with it, the gate's own delay at each
-  release fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which
-  stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for
-  its turn when its computing starts and waits for the answer before pushing, so the
-  gate's messages (which queue behind the server's big transfers) overlap the compute.
-  Until every worker has asked once the gate is closed (a start line); for the first
-  ``warmup`` rounds there is no P yet and turns go in order without spacing.
-- Bounded waits. A worker never waits for its turn longer than ``patience`` periods
-  (default one): past that it is released out of turn, and the workers before it in the
-  order that have not come lose this round's turn (counted as ``skipped``); one that
-  lost two turns in a row is passed over without waiting until it asks again. A worker
-  done training leaves the ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too).
-  A worker that does not come back for its turn within PYCOLL_TIMEOUT of its release
-  (dead, hung) ends the job: every turn request is answered with an error naming it.
+  releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), one push at
+  a time: the next worker is released when the push of the one before reaches server
+  0 (its header; the worker asking again, or leaving, counts too). Each release comes
+  with a slot, when its push should reach server 0: at least ``gap`` after the slot
+  before, and not before the push arriving now has come in (its arrival plus the
+  median push time measured there). The answer is sent at once, so it travels while
+  that push comes in, ahead of the slot by the turn's measured latency (from a release
+  to its push reaching server 0, less the hold: the least of the last 20, since more
+  means the worker was still computing), and says how long the worker must hold its
+  push (``delay_s``) to hit the slot. So pushes never share the server's link (it is a
+  FIFO: a push sent while another comes in waits there, which is what "pushes in flight"
+  counts, ``traffic``) and reach server 0 in the order of their turns. ``gap = P /
+  (safety * N)``, P the iteration period (the median of the workers' last ``window *
+  N`` iteration times, computing and communicating, as each reports them with its
+  request). The gap is a floor, not a schedule: each worker comes back about P after
+  its push, so its slot keeps its place in the ring, P/N after the one before, by
+  itself; a floor of P/N (``safety`` 1) would keep a ring that fell behind from ever
+  closing up, and ``safety`` 1.2 (the authors' "about 1.2N") lets it. P leaves out the
+  wait for a turn on purpose: measured with it, the gate's own delay at each release
+  fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which stretched
+  a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for its turn
+  when its computing starts and waits for the answer before pushing, so the gate's
+  messages (which queue behind the server's big transfers) overlap the compute. Until
+  every worker has asked once the gate is closed (a start line); for the first
+  ``warmup`` rounds there is no P yet and slots only follow the pushes.
+- Bounded waits. A worker waits for its turn at most ``patience`` periods (default
+  one) plus the rest of a push already released and on its way: past that it is
+  released out of turn, and the workers before it in the order that have not come lose
+  this round's turn (counted as ``skipped``); one that lost two turns in a row is
+  passed over without waiting until it asks again. A worker done training leaves the
+  ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too). A worker that does not
+  come back for its turn within PYCOLL_TIMEOUT of its release (dead, hung) ends the
+  job: every turn request is answered with an error naming it.
 - Staleness. Servers apply every push on arrival (as ASP; pulls never wait), and each
-  worker pushes once per round, right after its push's answer brings it the parameters
-  it computes its next gradient on. So between a worker's two pushes each other worker
-  pushes at most once: a gradient is at most N-1 updates stale, as long as pushes reach
-  the servers in the order of their turns (the gap sees to it once the warm-up is over,
-  unless a push takes longer than a gap) and its worker did not lose a turn (then it
-  misses the rounds it lost too).
+  worker pushes once per turn, right after its push's answer brings it the parameters
+  it computes its next gradient on. Pushes reach server 0 in release order, one at a
+  time, and the ring passes every worker once a round (released, or losing its turn).
+  So between a worker's two pushes each other worker pushes at most 1 + ``lost`` times,
+  ``lost`` the turns the worker lost in between (the turn's answer says it): a gradient
+  is at most (N-1)(1 + lost) updates stale, N-1 when its worker lost no turn (the
+  common case: a turn is lost only by a worker late by ``patience`` periods). At the
+  other servers the same holds as pushes reach them in the order they reach server 0: a
+  worker posts a push's requests to every server at once, and the next one is released
+  only after its request reached server 0 (only a request to another server delayed by
+  more than a turn's round trip could be overtaken).
 - Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
   iteration and how long it was busy (``busy_s``: computing and communicating, without
   the wait for its turn); the coordinator keeps each worker's speed (samples per busy
@@ -45,10 +64,13 @@ at a time:
 
 Our reading of the paper and of the authors' TensorFlow prototype (read, not copied):
 the gate at the first server, the gap of period / 1.2N and updates on arrival are
-theirs; the start line, the patience and the error for a missing worker are ours (their
-prototype waits for ever), and so are the batch split by measured speed (the paper
-tunes batch sizes to speed; the prototype's hook grows a batch by its blocked time) and
-the sample weights.
+theirs; the paper's worker i communicating at offset i T/N is what the slots hold to
+(the prototype spaces releases, not pushes, so a push late after its release overlaps
+the next: 1.35-1.5 pushes in flight here before the slots). The start line, the slots
+chained on pushes' arrival with the hold, the patience and the error for a missing
+worker are ours (their prototype waits for ever), and so are the batch split by
+measured speed (the paper tunes batch sizes to speed; the prototype's hook grows a
+batch by its blocked time) and the sample weights.
 """
 import collections
 import math
@@ -65,10 +87,10 @@ SPEED_SMOOTHING = 0.3        # weight of the newest report in a worker's speed
 class R2SP(Policy):
     """``pycoll.ps.init(policy=R2SP(...))`` or ``"r2sp"``, ``"r2sp:patience=2,adapt=0"``.
 
-    ``safety``: gap = period / (safety * N), > 1 so that the gate never stretches the
-    period. ``patience``: the most a worker waits for its turn, in periods. ``warmup``:
-    rounds before the gap and batch adaptation start. ``adapt``: split the global batch
-    by speed. ``batch``: (low, high), a worker's batch stays within these multiples of its
+    ``safety``: gap (the least spacing of pushes) = period / (safety * N), >= 1 so that
+    the gate never stretches the period. ``patience``: the most a worker waits for its
+    turn, in periods. ``warmup``: rounds before the gap and batch adaptation start.
+    ``adapt``: split the global batch by speed. ``batch``: (low, high), a worker's batch stays within these multiples of its
     first one. ``window``: periods are measured over the last ``window * N`` requests."""
     name = "r2sp"
     turns = True
@@ -173,7 +195,7 @@ class Coordinator:
         self.previous = -1                       # the worker released last
         self.work = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
         self.iteration = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
-        self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn, slot
+        self.log = collections.deque(maxlen=64)  # releases: worker, time, gap, in turn, slot
         # One push at a time: the released workers whose push server 0 has not seen yet,
         # when the latest released push is due there, and when the one arriving ends.
         self.unpushed: set = set()
@@ -223,12 +245,12 @@ class Coordinator:
         """Forget ``worker``'s request (the server answered it with an error)."""
         self.waiting.pop(worker, None)
 
-    def pushing(self, worker: int, now: float) -> None:
-        """A push of ``worker`` has reached server 0 (its header, ``now``): once a push's
-        time there is known, the link is taken until about ``now`` plus that, and the
-        next turn may go."""
+    def pushing(self, worker: int, now: float, sent: float) -> None:
+        """A push of ``worker`` sent at ``sent`` has reached server 0 (its header,
+        ``now``; both on server 0's clock): once a push's time there is known, the link
+        is taken until about ``now`` plus that, and the next turn may go."""
         if worker in self.unpushed:
-            self.latencies.append(now - self.released[worker] - self.delay[worker])
+            self.latencies.append(sent - self.released[worker] - self.delay[worker])
             if self.durations:
                 self.unpushed.discard(worker)
                 self.end = now + statistics.median(self.durations)
@@ -336,7 +358,7 @@ class Coordinator:
         self.turns[worker] += 1
         # Its push is due at server 0 a gap after the last one's, and not before that one
         # ends; the answer goes now, ahead by the turn's measured latency (release to push
-        # arriving, less the hold), and the worker holds its push for the rest.
+        # sent, less the hold), and the worker holds its push for the rest.
         lead = min(self.latencies) if self.latencies else 0.0
         self.slot = max(now + lead, self.slot + gap, self.end)
         self.delay[worker] = self.slot - now - lead

@@ -267,7 +267,8 @@ class Server:
         matched = self._match(call, [end - first for first, end in wire.bounds(messages)])
         worker, keys = call.worker, [e.name for e in call.req.entries]
         if self.coordinator is not None:         # R²SP: the next turn goes while this comes
-            self.coordinator.pushing(worker, call.since)
+            self.coordinator.pushing(worker, call.since,
+                                     self.traffic.start(worker, call.req.sent, call.since))
             self._release(time.monotonic())
         self.stats["pushes"] += 1
         self.changed = True

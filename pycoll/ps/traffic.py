@@ -29,9 +29,14 @@ class Traffic:
         if sent > 0:
             self.offset[worker] = min(self.offset.get(worker, math.inf), now - sent)
 
+    def start(self, worker: int, sent: float, now: float) -> float:
+        """When a request of ``worker`` sent at ``sent`` (its clock) set out, on this
+        server's clock (``now`` if the header has no time)."""
+        return min(now, sent + self.offset.get(worker, 0.0)) if sent > 0 else now
+
     def pushed(self, worker: int, sent: float, now: float) -> None:
         """A push's payload is all in, ``now``."""
-        start = sent + self.offset.get(worker, 0.0) if sent > 0 else now
+        start = self.start(worker, sent, now)
         count = 1 + sum(1 for end in self.ends if end > start)
         self.pushes += 1
         self.total += count

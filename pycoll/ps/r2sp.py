@@ -406,9 +406,11 @@ class Coordinator:
 
 class Pacer:
     """A worker's side of the turns, for a training loop: ``start()`` when the parameters
-    are in (an iteration begins: it asks for the turn now), ``turn()`` before pushing
-    (waits for it); ``batch_size`` is the size of the next batch to train on, which the
-    coordinator adapts."""
+    are in (an iteration begins: it asks for the turn now), ``turn()`` when the gradient
+    is ready: the turn and the weight to push with (``push_pull(turn=, weight=)``: the
+    communication thread sends the push at the turn, the loop goes on). ``batch_size``
+    is the size of the next batch to train on, which the coordinator adapts: it follows
+    each answer at the next ``start()``, so a new size shows one batch later."""
 
     def __init__(self, batch_size: int):
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -416,31 +418,31 @@ class Pacer:
                              f"{batch_size!r}: e.g. TorchWorker(model, batch_size=64)")
         self.batch_size = int(batch_size)
         self.began: Optional[float] = None       # when this iteration began
-        self.waited = self.busy = 0.0
-        self.pending = None                      # the turn asked for, not yet waited for
-        self.asked = self.done = 0               # samples reported; in the last iteration
+        self.busy = self.handed = 0.0            # the last one's busy time; push handed over
+        self.asking = None                       # this iteration's turn, asked for
+        self.granted = None                      # the last one's, its push handed over
+        self.asked = self.done = 0               # samples reported; in the last push
 
     def start(self) -> None:
-        if self.pending is not None:             # this iteration has asked already
+        if self.asking is not None:              # this iteration has asked already
             return
         from . import turn
         now = time.monotonic()
-        if self.began is not None:               # the last iteration: samples and busy time
-            self.busy = now - self.began - self.waited
-        self.began, self.waited, self.asked = now, 0.0, self.done or self.batch_size
-        self.pending = turn(self.asked, self.busy, wait=False)
+        if self.granted is not None:             # the last push is answered: so is its turn
+            self.batch_size = self.granted.wait()["batch"]
+            held = self.granted.held(self.handed)
+            timeline.interval("turn wait", "ps", self.handed, self.handed + held, reason="turn")
+            self.busy, self.granted = now - self.began - held, None
+        self.began, self.asked = now, self.done or self.batch_size
+        self.asking = turn(self.asked, self.busy, wait=False)
 
-    def turn(self, samples: Optional[int] = None) -> float:
-        """Wait for this worker's turn; the weight of the push that follows. ``samples``:
-        in the gradient (default: the batch size handed out)."""
+    def turn(self, samples: Optional[int] = None):
+        """(the turn, the weight of its push relative to the turn's); ``samples``: in the
+        gradient (default: the batch size handed out)."""
         self.start()
-        started = time.monotonic()
-        answer, self.pending = self.pending.wait(), None
-        self.waited += time.monotonic() - started
-        timeline.interval("turn wait", "ps", started, reason="turn")
         self.done = self.batch_size if samples is None else samples
-        self.batch_size = answer["batch"]
-        return answer["weight"] * self.done / self.asked
+        self.handed, self.granted, self.asking = time.monotonic(), self.asking, None
+        return self.granted, self.done / self.asked
 
 
 class AdaptiveBatchSampler:

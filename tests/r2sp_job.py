@@ -74,24 +74,40 @@ def check_releases(r2sp, size):
           f"({1e3 * r2sp['gap_s']:.2f} ms, period {1e3 * r2sp['period_s']:.2f} ms)", flush=True)
 
 
-def weighted(rounds=5, n=1000):
+def weighted(through="turns", rounds=5, n=1000):
     """Workers push fixed gradients of batches of 1, 2, ... samples under R²SP without
     adaptation; the servers' SGD must equal, after ``rounds`` rounds, the reference:
-    each round one step along the sample-weighted mean gradient."""
+    each round one step along the sample-weighted mean gradient. ``through``: "turns"
+    (``ps.turn``, then ``push_pull``) or "torch" (``TorchWorker``, whose push goes out
+    with its turn from the communication thread)."""
     lr = 0.1
     ps.init(policy="r2sp:adapt=0", optimizer=ps.SGD(lr=lr))
     rank, size = pycoll.rank(), pycoll.size()
     w = np.linspace(-1, 1, n).astype(np.float64)
     start = w.copy()
-    ps.init_params({"w": w})
     samples = rank + 1
 
     def gradient(worker):
         return np.random.default_rng(worker).standard_normal(n)
-    for _ in range(rounds):
-        answer = ps.turn(samples, 0.001)
-        assert answer["batch"] == samples, answer              # no adaptation: kept
-        ps.push_pull("w", gradient(rank), outs=w, weight=answer["weight"]).wait()
+    if through == "torch":
+        import torch
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.from_numpy(w.copy()))
+        worker = ps.TorchWorker(model, batch_size=samples)
+        for _ in range(rounds):
+            worker.pull()
+            model.zero_grad()
+            (model.w * torch.from_numpy(gradient(rank))).sum().backward()   # grad: gradient
+            worker.push()
+            assert worker.batch_size == samples, worker.batch_size       # no adaptation
+        worker.pull()
+        assert ps.counters()["worker"]["turns"] >= rounds     # (the last pull asks anew)
+    else:
+        ps.init_params({"w": w})
+        for _ in range(rounds):
+            answer = ps.turn(samples, 0.001)
+            assert answer["batch"] == samples, answer              # no adaptation: kept
+            ps.push_pull("w", gradient(rank), outs=w, weight=answer["weight"]).wait()
     ps.turn(0)
     pycoll.barrier()
     ps.pull("w", w).wait()
@@ -99,8 +115,8 @@ def weighted(rounds=5, n=1000):
     mean = sum((r + 1) / total * gradient(r) for r in range(size))
     reference = start - lr * rounds * mean
     np.testing.assert_allclose(w, reference, rtol=1e-12, atol=1e-12)
-    print(f"worker {rank}: sample-weighted updates match the reference (batches 1..{size})",
-          flush=True)
+    print(f"worker {rank}: sample-weighted updates through {through} match the reference "
+          f"(batches 1..{size})", flush=True)
 
 
 def dies(seconds=30):

@@ -206,9 +206,10 @@ def test_gradients_miss_at_most_n_minus_1_updates_and_turns_go_round_robin():
     assert out.count("missed at most") == 3 and "release order round robin" in out, out
 
 
-def test_sample_weighted_updates_equal_the_reference():
-    out = job(4, 1, "weighted").stdout
-    assert out.count("sample-weighted updates match the reference") == 3, out
+@pytest.mark.parametrize("through", ["turns", "torch"])
+def test_sample_weighted_updates_equal_the_reference(through):
+    out = job(4, 1, "weighted", through).stdout
+    assert out.count(f"sample-weighted updates through {through} match the reference") == 3, out
 
 
 def test_one_worker_trains_through_turns():

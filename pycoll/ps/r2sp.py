@@ -90,8 +90,9 @@ class R2SP(Policy):
     ``safety``: gap (the least spacing of pushes) = period / (safety * N), >= 1 so that
     the gate never stretches the period. ``patience``: the most a worker waits for its
     turn, in periods. ``warmup``: rounds before the gap and batch adaptation start.
-    ``adapt``: split the global batch by speed. ``batch``: (low, high), a worker's batch stays within these multiples of its
-    first one. ``window``: periods are measured over the last ``window * N`` requests."""
+    ``adapt``: split the global batch by speed. ``batch``: (low, high), a worker's batch
+    stays within these multiples of its first one. ``window``: periods are measured over
+    the last ``window * N`` requests."""
     name = "r2sp"
     turns = True
 

@@ -40,9 +40,9 @@ Design
   again. FluentPS(s): the same bound, but a pull that must wait is buffered and
   answered the moment it may be (no polling); a worker L clocks ahead of the slowest is
   paused with probability (L/(s+1))^8, always past the bound, and released with room
-  (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin spaced by
-  the measured period, released by a coordinator on server 0 (``turn``), with batch
-  sizes split by speed and pushes weighted by samples. SaPS (``saps``): asynchronous,
+  (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin, one push
+  at a time, spaced by the measured period, released by a coordinator on server 0
+  (``turn``), with batch sizes split by speed and pushes weighted by samples. SaPS (``saps``): asynchronous,
   stale updates discounted and dropped past a bound, stragglers flagged by a coordinator
   (see ``saps``).
 - Versions: a server's version counts the updates applied to its shard; pushes carry the

@@ -8,37 +8,37 @@ at a time:
   (``wire.TURN``, ``pycoll.ps.turn``; ``TorchWorker`` does it). The coordinator
   releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), one push at
   a time: the next worker is released when the push of the one before reaches server
-  0 (its header; the worker asking again, or leaving, counts too). Each release comes
-  with a slot, when its push should reach server 0: at least ``gap`` after the slot
-  before, and not before the push arriving now has come in (its arrival plus the
-  median push time measured there). The answer is sent at once, so it travels while
-  that push comes in, ahead of the slot by the turn's measured latency (from a release
-  to its push reaching server 0, less the hold: the least of the last 20, since more
-  means the worker was still computing), and says how long the worker must hold its
-  push (``delay_s``) to hit the slot. So pushes never share the server's link (it is a
-  FIFO: a push sent while another comes in waits there, which is what "pushes in flight"
-  counts, ``traffic``) and reach server 0 in the order of their turns. ``gap = P /
-  (safety * N)``, P the iteration period (the median of the workers' last ``window *
-  N`` iteration times, computing and communicating, as each reports them with its
-  request). The gap is a floor, not a schedule: each worker comes back about P after
-  its push, so its slot keeps its place in the ring, P/N after the one before, by
-  itself; a floor of P/N (``safety`` 1) would keep a ring that fell behind from ever
-  closing up, and ``safety`` 1.2 (the authors' "about 1.2N") lets it. P leaves out the
-  wait for a turn on purpose: measured with it, the gate's own delay at each release
-  fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which stretched
-  a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for its turn
-  when its computing starts and waits for the answer before pushing, so the gate's
-  messages (which queue behind the server's big transfers) overlap the compute. Until
+  0 (its header; that worker asking again, or leaving, counts too). Each release comes
+  with a slot, when its push should set out for server 0: at least ``gap`` after the
+  slot before, and not before the push arriving now has come in (its arrival plus the
+  median push time measured there). The answer goes at once, so it travels while that
+  push comes in, ahead of the slot by the turn's latency (release to push sent, less
+  the hold; the least of the last 20, since more means the worker was still
+  computing), and says how long the worker holds its push (``delay_s``). So pushes do
+  not share the server's link (a FIFO: a push sent while another comes in waits
+  behind it, which is what "pushes in flight" counts, ``traffic``) and reach server 0
+  in the order of their turns. ``gap = P / (safety * N)``, P the iteration period (the
+  median of the workers' last ``window * N`` iteration times, computing and
+  communicating, as each reports them with its request). The gap is a floor, not a
+  schedule: a worker comes back about P after its push, so its slot keeps its place in
+  the ring, P/N after the one before, by itself; a floor of P/N (``safety`` 1) would
+  keep a ring that fell behind from closing up, ``safety`` 1.2 (the authors' "about
+  1.2N") lets it. P leaves out the wait for a turn on purpose: measured with it, the
+  gate's own delay at each release fed back into the gap (P = P / 1.2 + N x delay),
+  which stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker``
+  asks for its turn when its computing starts (the gate's messages overlap the compute)
+  and hands its push over with the turn: the worker's communication thread sends it
+  when the answer is in and the hold is over, without waking the training loop. Until
   every worker has asked once the gate is closed (a start line); for the first
   ``warmup`` rounds there is no P yet and slots only follow the pushes.
 - Bounded waits. A worker waits for its turn at most ``patience`` periods (default
-  one) plus the rest of a push already released and on its way: past that it is
-  released out of turn, and the workers before it in the order that have not come lose
-  this round's turn (counted as ``skipped``); one that lost two turns in a row is
-  passed over without waiting until it asks again. A worker done training leaves the
-  ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too). A worker that does not
-  come back for its turn within PYCOLL_TIMEOUT of its release (dead, hung) ends the
-  job: every turn request is answered with an error naming it.
+  one), or until the push of the worker released before it reaches server 0 if that
+  takes longer: past that it is released out of turn, and the workers before it in the
+  order that have not come lose this round's turn (counted as ``skipped``); one that
+  lost two turns in a row is passed over without waiting until it asks again. A worker
+  done training leaves the ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too).
+  A worker that does not come back for its turn within PYCOLL_TIMEOUT of its release
+  (dead, hung) ends the job: every turn request is answered with an error naming it.
 - Staleness. Servers apply every push on arrival (as ASP; pulls never wait), and each
   worker pushes once per turn, right after its push's answer brings it the parameters
   it computes its next gradient on. Pushes reach server 0 in release order, one at a
@@ -48,9 +48,8 @@ at a time:
   is at most (N-1)(1 + lost) updates stale, N-1 when its worker lost no turn (the
   common case: a turn is lost only by a worker late by ``patience`` periods). At the
   other servers the same holds as pushes reach them in the order they reach server 0: a
-  worker posts a push's requests to every server at once, and the next one is released
-  only after its request reached server 0 (only a request to another server delayed by
-  more than a turn's round trip could be overtaken).
+  worker posts a push's requests to the other servers before server 0's, and the next
+  worker is released only once that one has reached server 0.
 - Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
   iteration and how long it was busy (``busy_s``: computing and communicating, without
   the wait for its turn); the coordinator keeps each worker's speed (samples per busy

@@ -166,7 +166,9 @@ class Client:
         parts, unpacks = [], []
         send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
         recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
-        for server, items in sorted(by_server(keys).items()):
+        # Server 0's request last: under R²SP its arrival there releases the next turn,
+        # so this one's requests to the other servers are out ahead of the next worker's.
+        for server, items in sorted(by_server(keys).items(), reverse=True):
             payload = pieces = into = None
             if send is not None:
                 spans = _spans(send, items)

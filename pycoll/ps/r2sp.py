@@ -410,7 +410,8 @@ class Pacer:
     is ready: the turn and the weight to push with (``push_pull(turn=, weight=)``: the
     communication thread sends the push at the turn, the loop goes on). ``batch_size``
     is the size of the next batch to train on, which the coordinator adapts: it follows
-    each answer at the next ``start()``, so a new size shows one batch later."""
+    each answer at the next ``start()`` (``TorchWorker.pull``), so a batch drawn after
+    that has the newest size."""
 
     def __init__(self, batch_size: int):
         if not isinstance(batch_size, int) or batch_size < 1:

@@ -195,7 +195,10 @@ class Coordinator:
         self.previous = -1                       # the worker released last
         self.work = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
         self.iteration = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
-        self.log = collections.deque(maxlen=64)  # releases: worker, time, gap, in turn, slot
+        # releases: worker, time, gap, in turn, slot, the workers whose turns the ring
+        # passed since the release before (they lost them)
+        self.log = collections.deque(maxlen=64)
+        self.passed: List[int] = []
         # One push at a time: the released workers whose push server 0 has not seen yet,
         # when the latest released push is due there, and when the one arriving ends.
         self.unpushed: set = set()
@@ -336,6 +339,7 @@ class Coordinator:
             if self.turn in self.waiting or self.missed[self.turn] < 2:
                 return
             self.skipped[self.turn] += 1
+            self.passed.append(self.turn)
             self.turn = self._after(self.turn)
 
     def _release(self, worker: int, now: float, gap: float, in_turn: bool):
@@ -346,6 +350,7 @@ class Coordinator:
                 if self.active[w]:
                     self.skipped[w] += 1
                     self.missed[w] += 1
+                    self.passed.append(w)
                 w = (w + 1) % self.n
         if worker <= self.previous or self.previous < 0:     # the order wrapped: a round
             self.rounds += 1
@@ -364,7 +369,8 @@ class Coordinator:
         self.delay[worker] = self.slot - now - lead
         self.unpushed.add(worker)
         self.released[worker] = now
-        self.log.append((worker, now, gap, in_turn, self.slot))
+        self.log.append((worker, now, gap, in_turn, self.slot, self.passed))
+        self.passed = []
         lost, self.lost_before[worker] = self.skipped[worker] - self.lost_before[worker], \
             self.skipped[worker]
         if self.plan is not None:

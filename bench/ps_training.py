@@ -117,8 +117,11 @@ def main():
               + " ".join(f"{1e3 * t:.1f}" for t in iteration_times(runs[0])))
         r2sp = runs[0]["servers"][0].get("r2sp")
         if r2sp:
+            gap = statistics.median(r[2] for r in r2sp["recent_releases"])
             print(f"  {'':<10} R²SP period {1e3 * (r2sp['period_s'] or 0):.1f} ms, gap "
-                  f"{1e3 * r2sp['gap_s']:.1f} ms, out of turn {r2sp['out_of_turn']}; per worker "
+                  f"{1e3 * gap:.1f} ms, push {1e3 * (r2sp['push_s'] or 0):.1f} ms, turn "
+                  f"latency {1e3 * (r2sp['lead_s'] or 0):.1f} ms, out of turn "
+                  f"{r2sp['out_of_turn']}; per worker "
                   "mean batch / turn wait per turn (ms): " + " ".join(
                       f"{w['mean_batch']:.0f}/{1e3 * w['turn_wait_s'] / max(1, w['turns']):.1f}"
                       for w in r2sp["workers"]))

@@ -70,9 +70,11 @@ def main():
     per_epoch = math.ceil(len(train) / args.batch_size)
     pycoll.barrier()
     start, curve, iterations = time.perf_counter(), [], []
-    for step, (x, y) in enumerate(itertools.islice(batches(), args.epochs * per_epoch), 1):
+    drawn = batches()
+    for step in range(1, args.epochs * per_epoch + 1):
         began = time.perf_counter()
         worker.pull()                             # the parameters asked for by the last push
+        x, y = next(drawn)                        # after pull: R²SP's newest batch size
         model.zero_grad()
         with pycoll.slowdown():                   # heterogeneity emulation (--slowdown)
             loss_fn(model(x), y).backward()

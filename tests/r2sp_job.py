@@ -15,13 +15,13 @@ import pycoll.ps as ps
 DIM = (1 << 18) + 3          # over 1 MiB of float32: the layout splits it over the servers
 
 
-def staleness(policy, steps=20, warmup=3):
+def staleness(policy, steps=20):
     """Each worker adds exactly 1 to its own slot of two counters per push (weight 1:
     equal samples). Between two of a worker's pull answers, each other worker's slot may
-    grow by at most 1: its gradient missed at most N-1 updates. (Checked once the gap
-    spaces the turns: in the warm-up's rounds turns go back to back, and pushes to a
-    server may overtake each other.) Worker 0 also checks the coordinator's release
-    order (round robin) and spacing (>= the gap)."""
+    grow by at most 1 + the turns this worker lost in between (the turn's ``lost``: a
+    worker late by more than ``patience`` periods, which only load on the machine makes
+    here, loses its turn): its gradient missed at most (N-1)(1 + lost) updates. Worker 0
+    also checks the coordinator's release order (round robin) and spacing (>= the gap)."""
     ps.init(policy=policy)
     rank, size = pycoll.rank(), pycoll.size()
     counts = {"a": np.zeros(size), "b": np.zeros(DIM)}
@@ -39,12 +39,13 @@ def staleness(policy, steps=20, warmup=3):
             v[rank] = size
         ps.push_pull(list(counts), one_hot, outs=list(counts.values()),
                      weight=answer["weight"]).wait()
+        lost = answer["lost"]
         for key, now in counts.items():
             slots = now[:size]
             assert abs(slots[rank] - step) < 1e-9, (key, slots, step)       # own pushes all in
             others = np.delete(slots - seen[key][:size], rank)
-            if step > warmup:
-                assert np.all(others <= 1 + 1e-9), (key, step, slots, seen[key][:size])
+            assert np.all(others <= 1 + lost + 1e-9), (key, step, lost, slots, seen[key][:size])
+            if not lost:
                 worst = max(worst, int(round(others.sum())))
             seen[key] = now.copy()
         if rank == 0 and step == steps // 2:         # every worker is still in the ring
@@ -53,44 +54,60 @@ def staleness(policy, steps=20, warmup=3):
     assert worst <= size - 1, worst
     stats = ps.counters()
     ps.turn(0)
-    print(f"worker {rank}: {policy} missed at most {worst} updates (N-1 = {size - 1}); "
-          f"turns {stats['worker']['turns']}", flush=True)
+    print(f"worker {rank}: {policy} missed at most {worst} updates (N-1 = {size - 1}) in "
+          f"turns it did not lose; turns {stats['worker']['turns']}", flush=True)
 
 
 def check_releases(r2sp, size):
-    """Every release in turn is the ring's next worker after the release before it, at
-    least the gap later. A worker late by more than ``patience`` periods (only load on
-    the machine makes one late here) is released out of turn and the ring goes on after
-    it; most releases must still be in turn."""
-    releases = r2sp["recent_releases"]
-    ordered = [(a[0], b[0]) for a, b in zip(releases, releases[1:]) if b[3]]
-    assert all(b == (a + 1) % size for a, b in ordered), releases
-    assert 2 * sum(1 for *_, in_turn in releases if in_turn) >= len(releases), releases
-    spaced = [(b[1] - a[1], b[2]) for a, b in zip(releases, releases[1:]) if b[3]]
-    assert all(after >= gap - 1e-6 for after, gap in spaced), spaced
+    """Releases go round robin: after each, the ring's next workers that were not
+    released lost their turns (a worker late by more than ``patience`` periods, which
+    only load on the machine makes here, is released out of turn or passed over), and
+    every push's slot at server 0 is at least the gap after the one before."""
+    releases = r2sp["recent_releases"]    # worker, time, gap, in turn, slot, passed over
+    for a, b in zip(releases, releases[1:]):
+        ring = [(a[0] + step) % size for step in range(1, size + 1)]
+        assert ring[:ring.index(b[0])] == b[5], (a, b)
+    spaced = [(b[4] - a[4], b[2]) for a, b in zip(releases, releases[1:])]
+    assert all(after >= gap - 1e-9 for after, gap in spaced), spaced
     assert r2sp["gap_s"] > 0 or size == 1
-    print(f"release order round robin over {len(releases)} releases; spacing >= gap "
+    print(f"release order round robin over {len(releases)} releases; slots >= gap apart "
           f"({1e3 * r2sp['gap_s']:.2f} ms, period {1e3 * r2sp['period_s']:.2f} ms)", flush=True)
 
 
-def weighted(rounds=5, n=1000):
+def weighted(through="turns", rounds=5, n=1000):
     """Workers push fixed gradients of batches of 1, 2, ... samples under R²SP without
     adaptation; the servers' SGD must equal, after ``rounds`` rounds, the reference:
-    each round one step along the sample-weighted mean gradient."""
+    each round one step along the sample-weighted mean gradient. ``through``: "turns"
+    (``ps.turn``, then ``push_pull``) or "torch" (``TorchWorker``, whose push goes out
+    with its turn from the communication thread)."""
     lr = 0.1
     ps.init(policy="r2sp:adapt=0", optimizer=ps.SGD(lr=lr))
     rank, size = pycoll.rank(), pycoll.size()
     w = np.linspace(-1, 1, n).astype(np.float64)
     start = w.copy()
-    ps.init_params({"w": w})
     samples = rank + 1
 
     def gradient(worker):
         return np.random.default_rng(worker).standard_normal(n)
-    for _ in range(rounds):
-        answer = ps.turn(samples, 0.001)
-        assert answer["batch"] == samples, answer              # no adaptation: kept
-        ps.push_pull("w", gradient(rank), outs=w, weight=answer["weight"]).wait()
+    if through == "torch":
+        import torch
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.from_numpy(w.copy()))
+        worker = ps.TorchWorker(model, batch_size=samples)
+        for _ in range(rounds):
+            worker.pull()
+            model.zero_grad()
+            (model.w * torch.from_numpy(gradient(rank))).sum().backward()   # grad: gradient
+            worker.push()
+            assert worker.batch_size == samples, worker.batch_size       # no adaptation
+        worker.pull()
+        assert ps.counters()["worker"]["turns"] >= rounds     # (the last pull asks anew)
+    else:
+        ps.init_params({"w": w})
+        for _ in range(rounds):
+            answer = ps.turn(samples, 0.001)
+            assert answer["batch"] == samples, answer              # no adaptation: kept
+            ps.push_pull("w", gradient(rank), outs=w, weight=answer["weight"]).wait()
     ps.turn(0)
     pycoll.barrier()
     ps.pull("w", w).wait()
@@ -98,8 +115,8 @@ def weighted(rounds=5, n=1000):
     mean = sum((r + 1) / total * gradient(r) for r in range(size))
     reference = start - lr * rounds * mean
     np.testing.assert_allclose(w, reference, rtol=1e-12, atol=1e-12)
-    print(f"worker {rank}: sample-weighted updates match the reference (batches 1..{size})",
-          flush=True)
+    print(f"worker {rank}: sample-weighted updates through {through} match the reference "
+          f"(batches 1..{size})", flush=True)
 
 
 def dies(seconds=30):

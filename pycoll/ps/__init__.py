@@ -40,9 +40,9 @@ Design
   again. FluentPS(s): the same bound, but a pull that must wait is buffered and
   answered the moment it may be (no polling); a worker L clocks ahead of the slowest is
   paused with probability (L/(s+1))^8, always past the bound, and released with room
-  (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin spaced by
-  the measured period, released by a coordinator on server 0 (``turn``), with batch
-  sizes split by speed and pushes weighted by samples. SaPS (``saps``): asynchronous,
+  (see ``policy.FluentPS``). R²SP (``r2sp``): workers push in a round robin, one push
+  at a time, spaced by the measured period, released by a coordinator on server 0
+  (``turn``), with batch sizes split by speed and pushes weighted by samples. SaPS (``saps``): asynchronous,
   stale updates discounted and dropped past a bound, stragglers flagged by a coordinator
   (see ``saps``).
 - Versions: a server's version counts the updates applied to its shard; pushes carry the
@@ -250,11 +250,14 @@ def _weight(weight) -> float:
     return float(weight)
 
 
-def push(keys, values, weight: float = 1.0):
+def push(keys, values, weight: float = 1.0, turn=None):
     """Send gradients (or steps) for ``keys``; Work completes when every server holding
     them has acknowledged the push (or fails with a server's error). ``keys`` is a name
     or a list of names, ``values`` a tensor or a list. Servers multiply the values by
-    ``weight`` (R²SP's sample weight, from ``turn``)."""
+    ``weight`` (R²SP's sample weight, from ``turn``). ``turn``: R²SP, a turn asked for
+    with ``turn(samples, wait=False)``; the push goes out when it is granted and its
+    hold is over, weighing ``weight`` times the turn's weight, and the caller does not
+    wait for it (its Work fails with the turn's error, if any)."""
     client = _client()
     _tick(client)
     names, values = _names(keys), _values(keys, values)
@@ -262,7 +265,8 @@ def push(keys, values, weight: float = 1.0):
     parts, _ = client.parts(wire.PUSH, found, sources=client.buffers(found, values, False),
                             weight=_weight(weight))
     client.counters["pushes"] += 1
-    return client.submit(f"pycoll.ps push of {_short(names)}", parts, keep=values)
+    return client.submit(f"pycoll.ps push of {_short(names)}", parts, keep=values,
+                         gate=None if turn is None else turn.gate)
 
 
 def _outs(keys, outs, found):
@@ -273,7 +277,7 @@ def _outs(keys, outs, found):
     return _values(keys, outs)
 
 
-def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0):
+def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0, turn=None):
     client = _client()
     found = client.lookup(names)
     sources = None if values is None else client.buffers(found, values, writable=False)
@@ -287,7 +291,7 @@ def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0):
         unpack()
         return outs[0] if isinstance(keys, str) else outs
     return client.submit(f"pycoll.ps {wire.OP_NAMES[op]} of {_short(names)}", parts, finish,
-                         keep=(values, outs))
+                         keep=(values, outs), gate=None if turn is None else turn.gate)
 
 
 def pull(keys, outs=None):
@@ -296,22 +300,28 @@ def pull(keys, outs=None):
     return _pulling(wire.PULL, keys, _names(keys), outs=outs)
 
 
-def push_pull(keys, values, outs=None, weight: float = 1.0):
-    """``push`` (with ``weight``) then ``pull`` of the same keys, one request per server:
-    each server applies the push first, and its answer (the parameters) acknowledges it."""
+def push_pull(keys, values, outs=None, weight: float = 1.0, turn=None):
+    """``push`` (with ``weight`` and ``turn``) then ``pull`` of the same keys, one request
+    per server: each server applies the push first, and its answer (the parameters)
+    acknowledges it."""
     _tick(_client())
-    return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs, weight)
+    return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs, weight,
+                    turn)
 
 
 def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
     """R²SP: wait for this worker's turn to push (see ``r2sp``). ``samples``: in the
     gradient to be pushed; ``busy_s``: how long this worker's last iteration took, less
     its wait for the turn (periods and batch sizes follow it; 0 if unknown). Returns
-    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s"}``;
-    with ``wait=False`` at once, an object whose ``wait()`` returns it (ask as the
-    computing starts, wait before pushing: the gate's messages overlap the compute).
-    ``turn(0)`` leaves the ring (done training; asking again rejoins it) and answers a
-    turn still asked for with ``{}``."""
+    ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s",
+    "delay_s": the hold before pushing, "push_at": its end (time.monotonic()), "lost":
+    turns this worker lost since its last one}`` once the hold is over: push right
+    then. With ``wait=False`` it returns at once an object whose ``wait()`` returns the
+    answer likewise; ask as the computing starts, so the gate's messages overlap the
+    compute, and either wait before pushing or hand it to ``push``/``push_pull``
+    (``turn=``), whose request then goes out by itself at the turn. ``turn(0)`` leaves
+    the ring (done training; asking again rejoins it) and answers a turn still asked for
+    with ``{}``."""
     client = _client()
     if not _state.policy.turns:
         raise RuntimeError(f"pycoll.ps.turn() is for policies whose workers take turns "
@@ -325,6 +335,7 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
         if got:                                  # not void (the worker left the ring)
             client.counters["turns"] = client.counters.get("turns", 0) + 1
             client.counters["batch_size"] = got["batch"]
+            got["push_at"] = time.monotonic() + got["delay_s"]     # the push's slot
         return got
     pending = _Turn(client, client.submit("pycoll.ps turn", parts, answer))
     return pending.wait() if wait else pending
@@ -336,10 +347,31 @@ class _Turn:
     def __init__(self, client, work):
         self.client, self.work = client, work
 
+    def gate(self):
+        """For the communication thread: None until the answer is in, then (when the push
+        may go, the factor of its weight); raises the turn's error."""
+        if not self.work.is_completed():
+            return None
+        got = self.work.wait()
+        if not got:
+            raise RuntimeError("pycoll.ps: a push waited for a turn that turn(0) voided; "
+                               "leave the ring only after the last push")
+        return got["push_at"], got["weight"]
+
+    def held(self, since: float) -> float:
+        """How long a push handed over at ``since`` was held for this turn (counted as
+        turn wait); call once the push is answered."""
+        held = max(0.0, self.work.wait()["push_at"] - since)
+        counters = self.client.counters
+        counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + held
+        return held
+
     def wait(self) -> dict:
         started = time.monotonic()
         try:
-            return self.work.wait()
+            got = self.work.wait()
+            emulation.sleep_until(got.get("push_at", 0.0))
+            return got
         finally:
             counters = self.client.counters
             counters["turn_wait_s"] = counters.get("turn_wait_s", 0.0) + time.monotonic() - started

@@ -26,11 +26,11 @@ class TorchWorker:
     communication: ``schedule.counters()`` per step, or ``pull_wait_s`` (all the time
     "default" spent waiting in ``pull``).
 
-    Under R²SP (``policy="r2sp"``) give ``batch_size``: ``push`` first waits for this
-    worker's turn, and ``batch_size`` then says how many samples the next batch should
-    hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it). ``pull()`` asks for
-    the turn as the computing starts, ``push()`` waits for it, so the gate's messages
-    overlap the compute.
+    Under R²SP (``policy="r2sp"``) give ``batch_size``: ``pull()`` asks for this
+    worker's turn as the computing starts, so the gate's messages overlap the compute;
+    ``push()`` hands the push over to go at the turn (sent by the communication thread:
+    the loop does not wake up for it) and returns; ``batch_size`` says how many samples
+    the next batch should hold (``pycoll.ps.AdaptiveBatchSampler`` draws batches by it).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -84,7 +84,7 @@ class TorchWorker:
 
     def push(self, samples: Optional[int] = None) -> None:
         """Send this step's gradients (or local step) and start fetching the new parameters.
-        Under R²SP it waits for this worker's turn first; ``samples``: in this step's batch
+        Under R²SP they go at this worker's turn; ``samples``: in this step's batch
         (default ``batch_size``), which weighs the push."""
         if self.schedule is not None:
             self.schedule.step()
@@ -98,8 +98,9 @@ class TorchWorker:
             before = [p.clone() for p in self.params]
             self.optimizer.step()
             values = [after - old for after, old in zip(self.params, before)]
-        weight = 1.0 if self.pacer is None else self.pacer.turn(samples)
-        self._pending = push_pull(self.names, values, outs=self.params, weight=weight)
+        turn, weight = (None, 1.0) if self.pacer is None else self.pacer.turn(samples)
+        self._pending = push_pull(self.names, values, outs=self.params, weight=weight,
+                                  turn=turn)
         timeline.step()
 
 

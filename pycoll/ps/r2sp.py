@@ -6,32 +6,50 @@ at a time:
 
 - The gate. Before each push a worker asks server 0's ``Coordinator`` for its turn
   (``wire.TURN``, ``pycoll.ps.turn``; ``TorchWorker`` does it). The coordinator
-  releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), each at least
-  ``gap`` after the previous release: ``gap = P / (safety * N)``, P the iteration period
-  (the median of the workers' last ``window * N`` iteration times, computing and
-  communicating, as each reports them with its request), so the gate spaces pushes
-  without stretching the period (``safety`` 1.2, the authors' "about 1.2N"). P leaves
-  out the wait for a turn on purpose: measured with it, the gate's own delay at each
-  release fed back into the gap (P = P / 1.2 + N x delay: 6N times the delay), which
-  stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker`` asks for
-  its turn when its computing starts and waits for the answer before pushing, so the
-  gate's messages (which queue behind the server's big transfers) overlap the compute.
-  Until every worker has asked once the gate is closed (a start line); for the first
-  ``warmup`` rounds there is no P yet and turns go in order without spacing.
-- Bounded waits. A worker never waits for its turn longer than ``patience`` periods
-  (default one): past that it is released out of turn, and the workers before it in the
+  releases workers in a fixed round-robin order (0, 1, ..., N-1, 0, ...), one push at
+  a time: the next worker is released when the push of the one before reaches server
+  0 (its header; that worker asking again, or leaving, counts too). Each release comes
+  with a slot, when its push should set out for server 0: at least ``gap`` after the
+  slot before, and not before the push arriving now has come in (its arrival plus the
+  median push time measured there). The answer goes at once, so it travels while that
+  push comes in, ahead of the slot by the turn's latency (release to push sent, less
+  the hold; the least of the last 20, since more means the worker was still
+  computing), and says how long the worker holds its push (``delay_s``). So pushes do
+  not share the server's link (a FIFO: a push sent while another comes in waits
+  behind it, which is what "pushes in flight" counts, ``traffic``) and reach server 0
+  in the order of their turns. ``gap = P / (safety * N)``, P the iteration period (the
+  median of the workers' last ``window * N`` iteration times, computing and
+  communicating, as each reports them with its request). The gap is a floor, not a
+  schedule: a worker comes back about P after its push, so its slot keeps its place in
+  the ring, P/N after the one before, by itself; a floor of P/N (``safety`` 1) would
+  keep a ring that fell behind from closing up, ``safety`` 1.2 (the authors' "about
+  1.2N") lets it. P leaves out the wait for a turn on purpose: measured with it, the
+  gate's own delay at each release fed back into the gap (P = P / 1.2 + N x delay),
+  which stretched a 23 ms iteration to 45 in bench/ps_training.py. ``TorchWorker``
+  asks for its turn when its computing starts (the gate's messages overlap the compute)
+  and hands its push over with the turn: the worker's communication thread sends it
+  when the answer is in and the hold is over, without waking the training loop. Until
+  every worker has asked once the gate is closed (a start line); for the first
+  ``warmup`` rounds there is no P yet and slots only follow the pushes.
+- Bounded waits. A worker waits for its turn at most ``patience`` periods (default
+  one), or until the push of the worker released before it reaches server 0 if that
+  takes longer: past that it is released out of turn, and the workers before it in the
   order that have not come lose this round's turn (counted as ``skipped``); one that
   lost two turns in a row is passed over without waiting until it asks again. A worker
   done training leaves the ring with ``pycoll.ps.turn(0)`` (``shutdown`` does it too).
   A worker that does not come back for its turn within PYCOLL_TIMEOUT of its release
   (dead, hung) ends the job: every turn request is answered with an error naming it.
 - Staleness. Servers apply every push on arrival (as ASP; pulls never wait), and each
-  worker pushes once per round, right after its push's answer brings it the parameters
-  it computes its next gradient on. So between a worker's two pushes each other worker
-  pushes at most once: a gradient is at most N-1 updates stale, as long as pushes reach
-  the servers in the order of their turns (the gap sees to it once the warm-up is over,
-  unless a push takes longer than a gap) and its worker did not lose a turn (then it
-  misses the rounds it lost too).
+  worker pushes once per turn, right after its push's answer brings it the parameters
+  it computes its next gradient on. Pushes reach server 0 in release order, one at a
+  time, and the ring passes every worker once a round (released, or losing its turn).
+  So between a worker's two pushes each other worker pushes at most 1 + ``lost`` times,
+  ``lost`` the turns the worker lost in between (the turn's answer says it): a gradient
+  is at most (N-1)(1 + lost) updates stale, N-1 when its worker lost no turn (the
+  common case: a turn is lost only by a worker late by ``patience`` periods). At the
+  other servers the same holds as pushes reach them in the order they reach server 0: a
+  worker posts a push's requests to the other servers before server 0's, and the next
+  worker is released only once that one has reached server 0.
 - Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
   iteration and how long it was busy (``busy_s``: computing and communicating, without
   the wait for its turn); the coordinator keeps each worker's speed (samples per busy
@@ -45,10 +63,13 @@ at a time:
 
 Our reading of the paper and of the authors' TensorFlow prototype (read, not copied):
 the gate at the first server, the gap of period / 1.2N and updates on arrival are
-theirs; the start line, the patience and the error for a missing worker are ours (their
-prototype waits for ever), and so are the batch split by measured speed (the paper
-tunes batch sizes to speed; the prototype's hook grows a batch by its blocked time) and
-the sample weights.
+theirs; the paper's worker i communicating at offset i T/N is what the slots hold to
+(the prototype spaces releases, not pushes, so a push late after its release overlaps
+the next: 1.35-1.5 pushes in flight here before the slots). The start line, the slots
+chained on pushes' arrival with the hold, the patience and the error for a missing
+worker are ours (their prototype waits for ever), and so are the batch split by
+measured speed (the paper tunes batch sizes to speed; the prototype's hook grows a
+batch by its blocked time) and the sample weights.
 """
 import collections
 import math
@@ -65,11 +86,12 @@ SPEED_SMOOTHING = 0.3        # weight of the newest report in a worker's speed
 class R2SP(Policy):
     """``pycoll.ps.init(policy=R2SP(...))`` or ``"r2sp"``, ``"r2sp:patience=2,adapt=0"``.
 
-    ``safety``: gap = period / (safety * N), > 1 so that the gate never stretches the
-    period. ``patience``: the most a worker waits for its turn, in periods. ``warmup``:
-    rounds before the gap and batch adaptation start. ``adapt``: split the global batch
-    by speed. ``batch``: (low, high), a worker's batch stays within these multiples of its
-    first one. ``window``: periods are measured over the last ``window * N`` requests."""
+    ``safety``: gap (the least spacing of pushes) = period / (safety * N), >= 1 so that
+    the gate never stretches the period. ``patience``: the most a worker waits for its
+    turn, in periods. ``warmup``: rounds before the gap and batch adaptation start.
+    ``adapt``: split the global batch by speed. ``batch``: (low, high), a worker's batch
+    stays within these multiples of its first one. ``window``: periods are measured over
+    the last ``window * N`` requests."""
     name = "r2sp"
     turns = True
 
@@ -152,7 +174,6 @@ class Coordinator:
         self.policy, self.n, self.timeout = policy, workers, timeout
         self.active = [True] * workers
         self.turn = 0                            # whose turn it is
-        self.last_release = -math.inf
         self.waiting: Dict[int, float] = {}      # worker -> when it asked
         self.asked: List[Optional[float]] = [None] * workers
         self.released: List[Optional[float]] = [None] * workers
@@ -174,7 +195,18 @@ class Coordinator:
         self.previous = -1                       # the worker released last
         self.work = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
         self.iteration = [collections.deque(maxlen=self.RECENT) for _ in range(workers)]
-        self.log = collections.deque(maxlen=64)  # recent releases: worker, time, gap, in turn
+        # releases: worker, time, gap, in turn, slot, the workers whose turns the ring
+        # passed since the release before (they lost them)
+        self.log = collections.deque(maxlen=64)
+        self.passed: List[int] = []
+        # One push at a time: the released workers whose push server 0 has not seen yet,
+        # when the latest released push is due there, and when the one arriving ends.
+        self.unpushed: set = set()
+        self.slot = self.end = -math.inf
+        self.delay = [0.0] * workers             # each one's hold, given with its release
+        self.lost_before = [0] * workers         # skipped[w] at w's last release
+        self.durations = collections.deque(maxlen=self.RECENT)   # of pushes at server 0
+        self.latencies = collections.deque(maxlen=self.RECENT)   # release -> push, less hold
 
     # ------------------------------------------------------------ requests
     def ask(self, worker: int, samples: int, busy_s: float, now: float) -> None:
@@ -198,6 +230,7 @@ class Coordinator:
             self.speed[worker] = speed if not old else old + SPEED_SMOOTHING * (speed - old)
         self.reports[worker] += 1
         self.active[worker], self.missed[worker] = True, 0     # back in the ring
+        self.unpushed.discard(worker)            # its push, if any, is done
         self.asked[worker] = now
         self.first_ask = now if self.first_ask is None else self.first_ask
         self.samples[worker] = samples
@@ -207,6 +240,7 @@ class Coordinator:
         """``worker`` is done: it no longer has a turn."""
         self.active[worker] = False
         self.waiting.pop(worker, None)
+        self.unpushed.discard(worker)
         if self.turn == worker:
             self.turn = self._after(worker)
 
@@ -214,15 +248,33 @@ class Coordinator:
         """Forget ``worker``'s request (the server answered it with an error)."""
         self.waiting.pop(worker, None)
 
+    def pushing(self, worker: int, now: float, sent: float) -> None:
+        """A push of ``worker`` sent at ``sent`` has reached server 0 (its header,
+        ``now``; both on server 0's clock): once a push's time there is known, the link
+        is taken until about ``now`` plus that, and the next turn may go."""
+        if worker in self.unpushed:
+            self.latencies.append(sent - self.released[worker] - self.delay[worker])
+            if self.durations:
+                self.unpushed.discard(worker)
+                self.end = now + statistics.median(self.durations)
+
+    def pushed(self, worker: int, seconds: float, now: float) -> None:
+        """The payload of ``worker``'s push was all in at ``now``, ``seconds`` after its
+        header (the first push frees the link only then)."""
+        self.durations.append(seconds)
+        if worker in self.unpushed:
+            self.unpushed.discard(worker)
+            self.end = now
+
     def poll(self, now: float) -> List[tuple]:
         """``[(worker, answer)]`` for the workers released now, in release order."""
         out = []
         if any(a and t is None for a, t in zip(self.active, self.asked)):
             return out                           # the start line: not every worker has asked
-        while self.waiting:
+        while self.waiting and not self.unpushed:    # one push at a time
             self._pass_over()
             gap, period = self.gap(), self.period()
-            if self.turn in self.waiting and now >= self.last_release + gap:
+            if self.turn in self.waiting:
                 out.append(self._release(self.turn, now, gap, True))
                 continue
             if period is not None:
@@ -236,12 +288,13 @@ class Coordinator:
 
     def next_due(self, now: float) -> Optional[float]:
         """When ``poll`` may next release someone (None: only a request can change it)."""
-        if not self.waiting or any(a and t is None for a, t in zip(self.active, self.asked)):
+        if not self.waiting or self.unpushed or \
+                any(a and t is None for a, t in zip(self.active, self.asked)):
             return None
         due, period = math.inf, self.period()
         self._pass_over()
         if self.turn in self.waiting:
-            due = self.last_release + self.gap()
+            due = now
         if period is not None:
             due = min(due, min(self.waiting.values()) + self.policy.patience * period)
         return due if due < math.inf else None
@@ -286,6 +339,7 @@ class Coordinator:
             if self.turn in self.waiting or self.missed[self.turn] < 2:
                 return
             self.skipped[self.turn] += 1
+            self.passed.append(self.turn)
             self.turn = self._after(self.turn)
 
     def _release(self, worker: int, now: float, gap: float, in_turn: bool):
@@ -296,6 +350,7 @@ class Coordinator:
                 if self.active[w]:
                     self.skipped[w] += 1
                     self.missed[w] += 1
+                    self.passed.append(w)
                 w = (w + 1) % self.n
         if worker <= self.previous or self.previous < 0:     # the order wrapped: a round
             self.rounds += 1
@@ -306,14 +361,24 @@ class Coordinator:
         self.wait_s[worker] += waited
         self.longest_wait[worker] = max(self.longest_wait[worker], waited)
         self.turns[worker] += 1
-        self.released[worker] = self.last_release = now
-        self.log.append((worker, now, gap, in_turn))
+        # Its push is due at server 0 a gap after the last one's, and not before that one
+        # ends; the answer goes now, ahead by the turn's measured latency (release to push
+        # sent, less the hold), and the worker holds its push for the rest.
+        lead = min(self.latencies) if self.latencies else 0.0
+        self.slot = max(now + lead, self.slot + gap, self.end)
+        self.delay[worker] = self.slot - now - lead
+        self.unpushed.add(worker)
+        self.released[worker] = now
+        self.log.append((worker, now, gap, in_turn, self.slot, self.passed))
+        self.passed = []
+        lost, self.lost_before[worker] = self.skipped[worker] - self.lost_before[worker], \
+            self.skipped[worker]
         if self.plan is not None:
             self.batch[worker] = self.plan[worker]
         self.batches[worker] += self.batch[worker]
         weight = self.samples[worker] * self.n / sum(self.base)
         return worker, dict(weight=weight, batch=self.batch[worker], period_s=self.period(),
-                            gap_s=gap)
+                            gap_s=gap, delay_s=self.delay[worker], lost=lost)
 
     def _plan(self) -> None:
         """This round's batch sizes: the global batch split by speed (after the warm-up)."""
@@ -334,6 +399,7 @@ class Coordinator:
             return statistics.median(values) if values else None
         return dict(
             period_s=self.period(), gap_s=self.gap(), rounds=self.rounds,
+            push_s=median(self.durations), lead_s=min(self.latencies, default=None),
             out_of_turn=self.out_of_turn, global_batch=sum(self.base),
             workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
                           longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
@@ -346,9 +412,12 @@ class Coordinator:
 
 class Pacer:
     """A worker's side of the turns, for a training loop: ``start()`` when the parameters
-    are in (an iteration begins: it asks for the turn now), ``turn()`` before pushing
-    (waits for it); ``batch_size`` is the size of the next batch to train on, which the
-    coordinator adapts."""
+    are in (an iteration begins: it asks for the turn now), ``turn()`` when the gradient
+    is ready: the turn and the weight to push with (``push_pull(turn=, weight=)``: the
+    communication thread sends the push at the turn, the loop goes on). ``batch_size``
+    is the size of the next batch to train on, which the coordinator adapts: it follows
+    each answer at the next ``start()`` (``TorchWorker.pull``), so a batch drawn after
+    that has the newest size."""
 
     def __init__(self, batch_size: int):
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -356,31 +425,31 @@ class Pacer:
                              f"{batch_size!r}: e.g. TorchWorker(model, batch_size=64)")
         self.batch_size = int(batch_size)
         self.began: Optional[float] = None       # when this iteration began
-        self.waited = self.busy = 0.0
-        self.pending = None                      # the turn asked for, not yet waited for
-        self.asked = self.done = 0               # samples reported; in the last iteration
+        self.busy = self.handed = 0.0            # the last one's busy time; push handed over
+        self.asking = None                       # this iteration's turn, asked for
+        self.granted = None                      # the last one's, its push handed over
+        self.asked = self.done = 0               # samples reported; in the last push
 
     def start(self) -> None:
-        if self.pending is not None:             # this iteration has asked already
+        if self.asking is not None:              # this iteration has asked already
             return
         from . import turn
         now = time.monotonic()
-        if self.began is not None:               # the last iteration: samples and busy time
-            self.busy = now - self.began - self.waited
-        self.began, self.waited, self.asked = now, 0.0, self.done or self.batch_size
-        self.pending = turn(self.asked, self.busy, wait=False)
+        if self.granted is not None:             # the last push is answered: so is its turn
+            self.batch_size = self.granted.wait()["batch"]
+            held = self.granted.held(self.handed)
+            timeline.interval("turn wait", "ps", self.handed, self.handed + held, reason="turn")
+            self.busy, self.granted = now - self.began - held, None
+        self.began, self.asked = now, self.done or self.batch_size
+        self.asking = turn(self.asked, self.busy, wait=False)
 
-    def turn(self, samples: Optional[int] = None) -> float:
-        """Wait for this worker's turn; the weight of the push that follows. ``samples``:
-        in the gradient (default: the batch size handed out)."""
+    def turn(self, samples: Optional[int] = None):
+        """(the turn, the weight of its push relative to the turn's); ``samples``: in the
+        gradient (default: the batch size handed out)."""
         self.start()
-        started = time.monotonic()
-        answer, self.pending = self.pending.wait(), None
-        self.waited += time.monotonic() - started
-        timeline.interval("turn wait", "ps", started, reason="turn")
         self.done = self.batch_size if samples is None else samples
-        self.batch_size = answer["batch"]
-        return answer["weight"] * self.done / self.asked
+        self.handed, self.granted, self.asking = time.monotonic(), self.asking, None
+        return self.granted, self.done / self.asked
 
 
 class AdaptiveBatchSampler:

@@ -266,6 +266,10 @@ class Server:
         messages = self._messages(sizes, shards)
         matched = self._match(call, [end - first for first, end in wire.bounds(messages)])
         worker, keys = call.worker, [e.name for e in call.req.entries]
+        if self.coordinator is not None:         # R²SP: the next turn goes while this comes
+            self.coordinator.pushing(worker, call.since,
+                                     self.traffic.start(worker, call.req.sent, call.since))
+            self._release(time.monotonic())
         self.stats["pushes"] += 1
         self.changed = True
         self.sync.clocks[worker] += 1
@@ -282,8 +286,10 @@ class Server:
         if round_sums is not None:
             for name in keys:
                 round_sums.setdefault(name, [None, 0])[1] += 1
+        taken = call.since
         for segments, message in zip(messages, matched):
             piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
+            taken = time.monotonic()
             if not weight:                  # dropped: its payload is taken, not applied
                 continue
             offset = 0
@@ -305,7 +311,9 @@ class Server:
                     entry[0][start:start + len(values)] += values
         if round_sums is None and weight:
             self.stats["updates"] += len(shards)
-        self.traffic.pushed(worker, call.req.sent, time.monotonic())
+        self.traffic.pushed(worker, call.req.sent, taken)
+        if self.coordinator is not None:
+            self.coordinator.pushed(worker, taken - call.since, taken)
         if answer:
             self._reply(call, wire.OK)
         self._advance()

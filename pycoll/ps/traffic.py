@@ -8,6 +8,12 @@ about one latency). The server takes pushes in arrival order, so the pushes stil
 flight when one started are those finished before it whose end is after its start; a
 push's count is those plus itself. Every policy is measured the same way, so BSP's
 incast and R²SP's round robin compare.
+
+Why from the sending: a server's link takes one message at a time (on a real network
+as under ``--link``'s FIFO model), so pushes never share it byte for byte; contention is
+a push that is sent while another is still coming in and waits behind it. Its worker's
+own NIC is not in the way: a training loop has one push out at a time, and its other
+requests (a turn, a pull) are small.
 """
 import collections
 import math
@@ -29,9 +35,14 @@ class Traffic:
         if sent > 0:
             self.offset[worker] = min(self.offset.get(worker, math.inf), now - sent)
 
+    def start(self, worker: int, sent: float, now: float) -> float:
+        """When a request of ``worker`` sent at ``sent`` (its clock) set out, on this
+        server's clock (``now`` if the header has no time)."""
+        return min(now, sent + self.offset.get(worker, 0.0)) if sent > 0 else now
+
     def pushed(self, worker: int, sent: float, now: float) -> None:
         """A push's payload is all in, ``now``."""
-        start = sent + self.offset.get(worker, 0.0) if sent > 0 else now
+        start = self.start(worker, sent, now)
         count = 1 + sum(1 for end in self.ends if end > start)
         self.pushes += 1
         self.total += count

@@ -77,12 +77,17 @@ class _Part:
         self.first_sent = self.retry_at = 0.0
         self.backoff = RETRY_MIN
         self.laggard = -1
+        self.held = False               # waits for its op's gate to open
 
 
 class _Op:
-    def __init__(self, name: str, parts: List[_Part], work: PSWork, finish=None, keep=None):
+    def __init__(self, name: str, parts: List[_Part], work: PSWork, finish=None, keep=None,
+                 gate=None):
         self.name, self.parts, self.work, self.finish = name, parts, work, finish
         self.keep = keep                # tensors the MPI calls read or write
+        self.gate = gate                # None, or () -> None | (send at, weight factor)
+        for part in parts:
+            part.held = gate is not None
         self.started = time.monotonic()
         self.error: Optional[BaseException] = None     # a server's answer: after the rest
 
@@ -161,7 +166,9 @@ class Client:
         parts, unpacks = [], []
         send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
         recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
-        for server, items in sorted(by_server(keys).items()):
+        # Server 0's request last: under R²SP its arrival there releases the next turn,
+        # so this one's requests to the other servers are out ahead of the next worker's.
+        for server, items in sorted(by_server(keys).items(), reverse=True):
             payload = pieces = into = None
             if send is not None:
                 spans = _spans(send, items)
@@ -193,10 +200,14 @@ class Client:
         servers = range(len(self.server_ranks)) if servers is None else servers
         return [_Part(s, op, arg=arg(s) if callable(arg) else arg, value=value) for s in servers]
 
-    def submit(self, name: str, parts: List[_Part], finish=None, keep=None) -> PSWork:
+    def submit(self, name: str, parts: List[_Part], finish=None, keep=None,
+               gate=None) -> PSWork:
+        """``gate``: the parts are sent only once ``gate()`` (called by the thread; it may
+        raise) returns (time.monotonic() to send at, a factor of their weight), and
+        later requests wait behind them (R²SP: a push waiting for its turn)."""
         self.raise_if_failed()
         work = PSWork(name, self.timeout)
-        op = _Op(name, parts, work, finish, keep)
+        op = _Op(name, parts, work, finish, keep, gate)
         for part in parts:
             if part.op in (wire.PUSH, wire.PUSH_PULL):
                 self.pushed[part.server] += 1
@@ -254,8 +265,8 @@ class Client:
                 unsent.extend(op.parts)
             active += fresh
             moved = bool(fresh)
-            while unsent and self.slots.available():   # in order: servers see them as issued
-                self._send(unsent.popleft())
+            while unsent and self.slots.available() and not unsent[0].held:
+                self._send(unsent.popleft())           # in order: servers see them as issued
             for op in list(active):
                 try:
                     moved |= self._progress(op)
@@ -313,6 +324,15 @@ class Client:
     def _progress(self, op: _Op) -> bool:
         """Advance ``op``'s parts; whether anything happened."""
         moved, now = False, time.monotonic()
+        if op.gate is not None:
+            opened = op.gate()
+            if opened is None or opened[0] > now:
+                return False
+            for part in op.parts:
+                part.value *= opened[1]
+                part.held = False
+            op.gate = None
+            return True
         for part in op.parts:
             if part.stage == "retry":
                 if now >= part.retry_at:          # it kept its slot

@@ -41,7 +41,6 @@ import hashlib
 import os
 import time
 from collections import Counter
-from contextlib import nullcontext
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -61,10 +60,12 @@ SPIN_S = 50e-6
 
 
 class _Group(NamedTuple):
-    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index."""
+    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index,
+    and as operations' names show it (formatted once: this is read on every call)."""
     members: Tuple[int, ...]
     ranks: List[int]
     index: int
+    label: str
 
 
 class _Cache:
@@ -97,7 +98,7 @@ class _Cache:
             key = found = None
         if found is None:
             members = _members(ranks, self.me, self.size)
-            found = _Group(members, list(members), members.index(self.me))
+            found = _Group(members, list(members), members.index(self.me), f"({list(members)})")
             if key is not None:
                 if len(self.groups) >= self.GROUPS:
                     self.groups.clear()
@@ -308,6 +309,18 @@ def _plan(x, ranks, op, name, inplace):
     out = x if inplace else tensors.clone(x)
     dst = src if inplace else tensors.as_buffer(out, writable=True)
 
+    def reduce(ptr: int, uses: int, tags, deadline: float) -> None:
+        after = config.get("partial_cache_after")
+        if after and uses >= after:
+            comm = _cached_comm(state, group, tags, uses, deadline, name)
+            emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
+                MPI.IN_PLACE, message(ptr, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
+            if op is Average:
+                _C.scale(ptr, dst.count, dst.dtype, 1.0 / len(members))
+        else:
+            _reduce(state, group, tags, ptr, dst.count, dst.dtype, op, deadline, name, out,
+                    config.get("partial_direct_bytes"))
+
     def run():
         if len(members) == 1:
             return out                   # a group of one: the reduction is x itself
@@ -315,7 +328,7 @@ def _plan(x, ranks, op, name, inplace):
         state.uses[members] += 1
         uses = state.uses[members]
         tags = pair_tags(state.shared, members, me, state.tag_ub)
-        if members in state.broken:
+        if state.broken and members in state.broken:
             raise GroupBroken(f"pycoll: {name} among ranks {group.ranks}: this group is broken "
                               f"on rank {me} since an earlier round failed "
                               f"({state.broken[members]}); that round's messages may still "
@@ -325,25 +338,19 @@ def _plan(x, ranks, op, name, inplace):
             if config.get("check"):
                 _agree(state, group, tags, deadline, name,
                        f"{dst.dtype} x {dst.count} op={op.value}")
-            after = config.get("partial_cache_after")
-            # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
-            with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
-                if after and uses >= after:
-                    comm = _cached_comm(state, group, tags, uses, deadline, name)
-                    emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
-                        MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
-                    if op is Average:
-                        _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
-                else:
-                    _reduce(state, group, tags, d, dst.count, dst.dtype, op, deadline, name, out,
-                            config.get("partial_direct_bytes"))
+            if dst.device == "cpu":
+                reduce(dst.ptr, uses, tags, deadline)
+            else:
+                # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
+                with staged(dst, True, True) as ptr:
+                    reduce(ptr, uses, tags, deadline)
         except CollectiveMismatch:
             raise                        # every member found it after a complete exchange
         except BaseException as error:
             state.broken[members] = f"{type(error).__name__}: {error}"
             raise
         return out
-    return f"{name}({group.ranks})", run
+    return name + group.label, run
 
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):

@@ -9,8 +9,8 @@ same ranks (in any order). Two paths:
   csrc/partial.cpp) on pycoll's own duplicate of the world communicator, calling MPI's
   non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
   direct exchange (each member sends its tensor to every other: one latency); beyond, a
-  ring reduce-scatter then allgather in ``CHUNK_BYTES`` chunks, reducing one chunk while
-  the next arrives. Every member gets the same bits. Under ``--link`` the communicator is
+  ring reduce-scatter then allgather in chunks of PYCOLL_CHUNK_BYTES (``tensors.pieces``),
+  reducing one chunk while the next arrives. Every member gets the same bits. Under ``--link`` the communicator is
   emulated (its messages are paced in Python), so the same ring runs here in Python.
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
@@ -51,9 +51,6 @@ from .collectives import Average, check_reduction, message, mpi_op, reduce_op, s
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
 
-# Large enough that per-message overhead is small, small enough that reduction and
-# transfer of consecutive chunks overlap for the model sizes Ripples averages.
-CHUNK_BYTES = 1 << 18
 # How long the compiled exchange's waits spin before yielding the core, where ranks do
 # not share cores: a peer on another core answers within it.
 SPIN_S = 50e-6
@@ -165,8 +162,8 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
     average = op is Average
     status, peer, error, sends = _C.partial_allreduce(
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
-        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0, CHUNK_BYTES,
-        direct_bytes, max(0.0, deadline - time.monotonic()), state.spin)
+        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
+        tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes, max(0.0, deadline - time.monotonic()), state.spin)
     if sends:
         _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
     if status == 1:
@@ -188,10 +185,10 @@ class _Ring:
         self.ptr, self.dtype, self.op, self.deadline, self.name = ptr, dtype, op, deadline, name
         self.item = tensors.ITEMSIZE[dtype]
         self.bounds = [count * i // k for i in range(k + 1)]
-        step = max(1, CHUNK_BYTES // self.item)
-        self.chunks = [[(s, min(s + step, self.bounds[b + 1]))
-                        for s in range(self.bounds[b], self.bounds[b + 1], step)]
-                       for b in range(k)]
+        self.chunks = [[(lo + offset // self.item, lo + (offset + nbytes) // self.item)
+                        for offset, nbytes in tensors.pieces((hi - lo) * self.item, self.item)
+                        if nbytes]
+                       for lo, hi in zip(self.bounds, self.bounds[1:])]
         self.sending: dict = {}          # (block, chunk) -> send requests still reading it
         self.scratch = None
 
@@ -299,6 +296,43 @@ def _cached_comm(state: _Cache, group: _Group, tags, uses, deadline, name):
     return comm
 
 
+class _Settings(NamedTuple):
+    """The knobs read on every call, kept here when they change (``config.get`` per knob
+    costs as much as a tenth of a 4-byte exchange)."""
+    check: bool
+    cache_after: int
+    direct_bytes: int
+    chunk_bytes: int
+    timeout: float
+
+
+def _read_settings() -> None:
+    global _settings
+    _settings = _Settings(config.get("check"), config.get("partial_cache_after"),
+                          config.get("partial_direct_bytes"), config.get("chunk_bytes"),
+                          config.get("timeout"))
+
+
+_settings: _Settings
+config.watch(_read_settings)
+
+
+def _exchange(state: _Cache, group: _Group, dst, ptr: int, op, uses: int, tags, deadline,
+              name, keep) -> None:
+    """Reduce ``dst`` (its host memory at ``ptr``) among ``group``: on the group's cached
+    communicator from its PYCOLL_PARTIAL_CACHE_AFTER-th use, else point to point."""
+    after = _settings.cache_after
+    if after and uses >= after:
+        comm = _cached_comm(state, group, tags, uses, deadline, name)
+        emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
+            MPI.IN_PLACE, message(ptr, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
+        if op is Average:
+            _C.scale(ptr, dst.count, dst.dtype, 1.0 / len(group.members))
+    else:
+        _reduce(state, group, tags, ptr, dst.count, dst.dtype, op, deadline, name, keep,
+                _settings.direct_bytes)
+
+
 def _plan(x, ranks, op, name, inplace):
     op, name = reduce_op(op), name or "partial_allreduce"
     state = _state()
@@ -308,18 +342,6 @@ def _plan(x, ranks, op, name, inplace):
     check_reduction(op, src.dtype)
     out = x if inplace else tensors.clone(x)
     dst = src if inplace else tensors.as_buffer(out, writable=True)
-
-    def reduce(ptr: int, uses: int, tags, deadline: float) -> None:
-        after = config.get("partial_cache_after")
-        if after and uses >= after:
-            comm = _cached_comm(state, group, tags, uses, deadline, name)
-            emulation.timed("allreduce", comm, dst.nbytes, lambda: comm.Allreduce(
-                MPI.IN_PLACE, message(ptr, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype)))()
-            if op is Average:
-                _C.scale(ptr, dst.count, dst.dtype, 1.0 / len(members))
-        else:
-            _reduce(state, group, tags, ptr, dst.count, dst.dtype, op, deadline, name, out,
-                    config.get("partial_direct_bytes"))
 
     def run():
         if len(members) == 1:
@@ -333,17 +355,17 @@ def _plan(x, ranks, op, name, inplace):
                               f"on rank {me} since an earlier round failed "
                               f"({state.broken[members]}); that round's messages may still "
                               "arrive. Use other groups, or restart the job.")
-        deadline = time.monotonic() + config.get("timeout")
+        deadline = time.monotonic() + _settings.timeout
         try:
-            if config.get("check"):
+            if _settings.check:
                 _agree(state, group, tags, deadline, name,
                        f"{dst.dtype} x {dst.count} op={op.value}")
             if dst.device == "cpu":
-                reduce(dst.ptr, uses, tags, deadline)
+                _exchange(state, group, dst, dst.ptr, op, uses, tags, deadline, name, out)
             else:
                 # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
                 with staged(dst, True, True) as ptr:
-                    reduce(ptr, uses, tags, deadline)
+                    _exchange(state, group, dst, ptr, op, uses, tags, deadline, name, out)
         except CollectiveMismatch:
             raise                        # every member found it after a complete exchange
         except BaseException as error:

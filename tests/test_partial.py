@@ -37,8 +37,8 @@ def path(settings, request, monkeypatch, pycoll_world):
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(partial, "CHUNK_BYTES", 8)      # many chunks per block
+def small_chunks(settings):
+    settings(chunk_bytes=8)                  # PYCOLL_CHUNK_BYTES: many chunks per block
 
 
 @pytest.mark.parametrize("op", OPS)

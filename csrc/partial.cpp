@@ -74,9 +74,9 @@ class Patience {
     double deadline_, spin_, last_, delay_ = 0;
 };
 
-// Where received data lands before it is reduced, kept from round to round: a fresh
-// allocation of a large block each round costs a page fault per 4 KiB (it measured about
-// as much as the transfer at 4 MiB). Rounds of a process run one at a time (the engine's
+// Where received data lands before it is reduced, kept from round to round: a fresh,
+// zero-filled allocation of a large block each round cost a page fault per 4 KiB and a
+// pass over the block before any byte arrived. Rounds of a process run one at a time (the engine's
 // order); the lock makes that a rule here too. Receives of a failed round are cancelled
 // before it returns, so no late message lands in it.
 class Scratch {

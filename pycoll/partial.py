@@ -10,8 +10,9 @@ same ranks (in any order). Two paths:
   non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
   direct exchange (each member sends its tensor to every other: one latency); beyond, a
   ring reduce-scatter then allgather in chunks of PYCOLL_CHUNK_BYTES (``tensors.pieces``),
-  reducing one chunk while the next arrives. Every member gets the same bits. Under ``--link`` the communicator is
-  emulated (its messages are paced in Python), so the same ring runs here in Python.
+  reducing one chunk while the next arrives. Every member gets the same bits. Under
+  ``--link`` the communicator is emulated (its messages are paced in Python), so the same
+  ring runs here in Python.
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -163,7 +164,8 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
     status, peer, error, sends = _C.partial_allreduce(
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
         "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
-        tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes, max(0.0, deadline - time.monotonic()), state.spin)
+        tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes,
+        max(0.0, deadline - time.monotonic()), state.spin)
     if sends:
         _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
     if status == 1:
@@ -363,7 +365,8 @@ def _plan(x, ranks, op, name, inplace):
             if dst.device == "cpu":
                 _exchange(state, group, dst, dst.ptr, op, uses, tags, deadline, name, out)
             else:
-                # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
+                # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware
+                # MPI or not.
                 with staged(dst, True, True) as ptr:
                     _exchange(state, group, dst, ptr, op, uses, tags, deadline, name, out)
         except CollectiveMismatch:

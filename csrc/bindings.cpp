@@ -78,7 +78,7 @@ bool handle_of(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints
 }
 
 // A plain CPython function: it sits on every partial all-reduce's path, where pybind11's
-// dispatch of sixteen arguments cost 2.5 us, more than a 4-byte exchange's MPI calls.
+// dispatch of its sixteen arguments cost 0.7 us a call (this, 0.25 us).
 PyObject* partial_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (nargs != 16) {
         PyErr_SetString(PyExc_TypeError, "partial_allreduce takes 16 arguments (see its docstring)");

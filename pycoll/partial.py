@@ -299,8 +299,8 @@ def _cached_comm(state: _Cache, group: _Group, tags, uses, deadline, name):
 
 
 class _Settings(NamedTuple):
-    """The knobs read on every call, kept here when they change (``config.get`` per knob
-    costs as much as a tenth of a 4-byte exchange)."""
+    """The knobs read on every call, kept here when they change (``config.watch``):
+    ``config.get`` costs about 0.1 us a knob."""
     check: bool
     cache_after: int
     direct_bytes: int

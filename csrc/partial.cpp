@@ -15,6 +15,10 @@
 // jobs), then yields the core between tries (at once where ranks share cores: the peer
 // may need this one); only a wait that has made no progress for STALL_S (a late peer, a
 // straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
+// Progress is a completed message, and one chunk of a large ring takes milliseconds to
+// arrive, while its transfer needs both ends to keep calling MPI (rendezvous fragments):
+// at 2 ms, waits fell into sleeping mid-transfer and 1-4 MiB rounds at 2 ranks took 4-7x
+// MPI's Allreduce; at 50 ms, 1.02-1.10x.
 #include "partial.h"
 
 #include <sched.h>
@@ -22,6 +26,8 @@
 #include <algorithm>
 #include <cstring>
 #include <ctime>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 
 #include "kernels.h"
@@ -30,7 +36,7 @@
 namespace pycoll::partial {
 namespace {
 
-constexpr double STALL_S = 2e-3;
+constexpr double STALL_S = 50e-3;
 constexpr size_t NONE = SIZE_MAX;
 
 double now() {
@@ -70,6 +76,30 @@ class Patience {
 
   private:
     double deadline_, spin_, last_, delay_ = 0;
+};
+
+// Where received data lands before it is reduced, kept from round to round: a fresh,
+// zero-filled allocation of a large block each round cost a page fault per 4 KiB and a
+// pass over the block before any byte arrived. Rounds of a process run one at a time (the engine's
+// order); the lock makes that a rule here too. Receives of a failed round are cancelled
+// before it returns, so no late message lands in it.
+class Scratch {
+  public:
+    char* take(size_t nbytes) {
+        lock_ = std::unique_lock<std::mutex>(mutex);
+        if (nbytes > size) {
+            data.reset();
+            data.reset(new char[nbytes]);  // uninitialized: every byte is received before it is read
+            size = nbytes;
+        }
+        return data.get();
+    }
+
+  private:
+    static inline std::mutex mutex;
+    static inline std::unique_ptr<char[]> data;
+    static inline size_t size = 0;
+    std::unique_lock<std::mutex> lock_;
 };
 
 class Exchange {
@@ -145,8 +175,8 @@ class Exchange {
     void direct() {
         const size_t k = r_.members.size(), p = r_.me, nbytes = r_.count * item_;
         if (!nbytes) return;
-        std::vector<char> scratch(nbytes * k);  // member j's buffer at j * nbytes (ours unused)
-        auto of = [&](size_t j) { return j == p ? static_cast<char*>(r_.data) : scratch.data() + j * nbytes; };
+        char* scratch = scratch_.take(nbytes * (k - 1));  // the others' buffers, in member order
+        auto of = [&](size_t j) { return j == p ? static_cast<char*>(r_.data) : scratch + (j - (j > p)) * nbytes; };
         for (size_t j = 0; j < k; ++j)
             if (j != p) post_recv(of(j), nbytes, j);
         for (size_t j = 0; j < k; ++j)
@@ -180,7 +210,7 @@ class Exchange {
         for (size_t b = 0; b <= k; ++b) bounds[b] = r_.count * b / k;
         size_t largest = 0;
         for (size_t b = 0; b < k; ++b) largest = std::max(largest, bounds[b + 1] - bounds[b]);
-        std::vector<char> scratch(largest * item_);  // a reduce-scatter step's chunks
+        char* scratch = scratch_.take(largest * item_);  // a reduce-scatter step's chunks
         auto chunks = [&](size_t b) { return (bounds[b + 1] - bounds[b] + step - 1) / step; };
         auto lo = [&](size_t b, size_t c) { return bounds[b] + c * step; };
         auto hi = [&](size_t b, size_t c) { return std::min(lo(b, c) + step, bounds[b + 1]); };
@@ -200,7 +230,7 @@ class Exchange {
             for (size_t c = 0; c < n; ++c) {
                 const size_t nbytes = (hi(b, c) - lo(b, c)) * item_;
                 if (reduce) {
-                    post_recv(scratch.data() + (lo(b, c) - bounds[b]) * item_, nbytes, left);
+                    post_recv(scratch + (lo(b, c) - bounds[b]) * item_, nbytes, left);
                 } else {
                     if (sent[b][c] != NONE) wait_send(sent[b][c], right);
                     post_recv(at(lo(b, c)), nbytes, left);
@@ -212,7 +242,7 @@ class Exchange {
                 wait_recv(first + c, left);
                 if (reduce) {
                     const size_t m = hi(b, c) - lo(b, c);
-                    cpu::reduce(at(lo(b, c)), scratch.data() + (lo(b, c) - bounds[b]) * item_, m, r_.dt, r_.op);
+                    cpu::reduce(at(lo(b, c)), scratch + (lo(b, c) - bounds[b]) * item_, m, r_.dt, r_.op);
                     if (s == k - 2 && r_.scale != 1.0) cpu::scale(at(lo(b, c)), m, r_.dt, r_.scale);  // complete here
                 }
                 if (s + 1 < 2 * (k - 1)) forward(b, c);
@@ -224,6 +254,7 @@ class Exchange {
     const Round& r_;
     const size_t item_;
     Patience patience_;
+    Scratch scratch_;  // declared before the requests: released after they are cancelled
     mpi::Requests sends_, recvs_;
 };
 

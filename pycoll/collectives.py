@@ -49,13 +49,10 @@ _PIECE = 2**30                    # elements per MPI call for operations that ca
 
 
 def _pieces(nbytes: int, itemsize: int, chunk_bytes: int = 0):
-    """(offset, nbytes) pieces of at most _PIECE elements, so counts fit MPI's C ints, and
-    of at most ``chunk_bytes`` (whole elements) when given; an elementwise operation may
-    be split anywhere."""
-    step = _PIECE * itemsize
-    if chunk_bytes:
-        step = min(step, max(itemsize, chunk_bytes // itemsize * itemsize))
-    return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
+    """``tensors.pieces`` of at most _PIECE elements, so counts fit MPI's C ints, and of at
+    most ``chunk_bytes`` when given; an elementwise operation may be split anywhere."""
+    limit = _PIECE * itemsize
+    return tensors.pieces(nbytes, itemsize, min(limit, chunk_bytes) if chunk_bytes else limit)
 
 
 def _check_counts(name: str, counts: Sequence[int], unit: str) -> None:

@@ -143,7 +143,8 @@ KNOBS = {k.name: k for k in (
     Knob("chunk_bytes", 4 * 2**20, _number(int, 1, "a whole number of bytes >= 1"),
          "bytes: an allreduce larger than this (one tensor or a fused batch) travels in pieces "
          "of this size, each packed, reduced and unpacked while it is in cache; also the most "
-         "host memory that staging GPU tensors takes"),
+         "host memory that staging GPU tensors takes, the chunk of partial_allreduce's ring and "
+         "the payload message of parameter-server pushes (tensors.pieces; every rank the same)"),
     # 0: bench/fusion.py's cycle sweep found 0, 0.5 and 2 ms within noise of each other,
     # and without a cycle batches are cut alike on every rank with no negotiation round.
     Knob("cycle_time_ms", 0.0, _number(float, 0, "a finite number of milliseconds >= 0"),

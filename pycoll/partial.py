@@ -9,10 +9,10 @@ same ranks (in any order). Two paths:
   csrc/partial.cpp) on pycoll's own duplicate of the world communicator, calling MPI's
   non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
   direct exchange (each member sends its tensor to every other: one latency); beyond, a
-  ring reduce-scatter then allgather in ``CHUNK_BYTES`` chunks, reducing one chunk while
-  the next arrives. Every member gets the same bits. (Where _C has not found MPI, the
-  same ring runs here in Python.) Under ``--link`` a round costs the modelled time of
-  that exchange, paced as collectives are (``emulation.timed``).
+  ring reduce-scatter then allgather in chunks of PYCOLL_CHUNK_BYTES (``tensors.pieces``),
+  reducing one chunk while the next arrives. Every member gets the same bits. (Where _C
+  has not found MPI, the same ring runs here in Python.) Under ``--link`` a round costs
+  the modelled time of that exchange, paced as collectives are (``emulation.timed``).
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -42,7 +42,6 @@ import hashlib
 import os
 import time
 from collections import Counter
-from contextlib import nullcontext
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -53,19 +52,18 @@ from .collectives import Average, check_reduction, message, mpi_op, reduce_op, s
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
 
-# Large enough that per-message overhead is small, small enough that reduction and
-# transfer of consecutive chunks overlap for the model sizes Ripples averages.
-CHUNK_BYTES = 1 << 18
 # How long the compiled exchange's waits spin before yielding the core, where ranks do
 # not share cores: a peer on another core answers within it.
 SPIN_S = 50e-6
 
 
 class _Group(NamedTuple):
-    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index."""
+    """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index,
+    and as operations' names show it (formatted once: this is read on every call)."""
     members: Tuple[int, ...]
     ranks: List[int]
     index: int
+    label: str
 
 
 class _Cache:
@@ -96,7 +94,7 @@ class _Cache:
             key = found = None
         if found is None:
             members = _members(ranks, self.me, self.size)
-            found = _Group(members, list(members), members.index(self.me))
+            found = _Group(members, list(members), members.index(self.me), f"({list(members)})")
             if key is not None:
                 if len(self.groups) >= self.GROUPS:
                     self.groups.clear()
@@ -163,8 +161,9 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
     average = op is Average
     status, peer, error, sends = _C.partial_allreduce(
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
-        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0, CHUNK_BYTES,
-        direct_bytes, max(0.0, deadline - time.monotonic()), state.spin)
+        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
+        tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes,
+        max(0.0, deadline - time.monotonic()), state.spin)
     if sends:
         _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
     if status == 1:
@@ -186,10 +185,10 @@ class _Ring:
         self.ptr, self.dtype, self.op, self.deadline, self.name = ptr, dtype, op, deadline, name
         self.item = tensors.ITEMSIZE[dtype]
         self.bounds = [count * i // k for i in range(k + 1)]
-        step = max(1, CHUNK_BYTES // self.item)
-        self.chunks = [[(s, min(s + step, self.bounds[b + 1]))
-                        for s in range(self.bounds[b], self.bounds[b + 1], step)]
-                       for b in range(k)]
+        self.chunks = [[(lo + offset // self.item, lo + (offset + nbytes) // self.item)
+                        for offset, nbytes in tensors.pieces((hi - lo) * self.item, self.item)
+                        if nbytes]
+                       for lo, hi in zip(self.bounds, self.bounds[1:])]
         self.sending: dict = {}          # (block, chunk) -> send requests still reading it
         self.scratch = None
 
@@ -297,6 +296,42 @@ def _cached_comm(state: _Cache, group: _Group, tags, uses, deadline, name):
     return comm
 
 
+class _Settings(NamedTuple):
+    """The knobs read on every call, kept here when they change (``config.watch``):
+    ``config.get`` costs about 0.1 us a knob."""
+    check: bool
+    cache_after: int
+    direct_bytes: int
+    chunk_bytes: int
+    timeout: float
+
+
+def _read_settings() -> None:
+    global _settings
+    _settings = _Settings(config.get("check"), config.get("partial_cache_after"),
+                          config.get("partial_direct_bytes"), config.get("chunk_bytes"),
+                          config.get("timeout"))
+
+
+_settings: _Settings
+config.watch(_read_settings)
+
+
+def _exchange(state: _Cache, group: _Group, dst, ptr: int, op, uses: int, tags, deadline,
+              name, keep) -> None:
+    """Reduce ``dst`` (its host memory at ``ptr``) among ``group``: on the group's cached
+    communicator from its PYCOLL_PARTIAL_CACHE_AFTER-th use, else point to point."""
+    after = _settings.cache_after
+    if after and uses >= after:
+        comm = _cached_comm(state, group, tags, uses, deadline, name)
+        comm.Allreduce(MPI.IN_PLACE, message(ptr, dst.nbytes, dst.dtype), mpi_op(op, dst.dtype))
+        if op is Average:
+            _C.scale(ptr, dst.count, dst.dtype, 1.0 / len(group.members))
+    else:
+        _reduce(state, group, tags, ptr, dst.count, dst.dtype, op, deadline, name, keep,
+                _settings.direct_bytes)
+
+
 def _plan(x, ranks, op, name, inplace):
     op, name = reduce_op(op), name or "partial_allreduce"
     state = _state()
@@ -314,28 +349,23 @@ def _plan(x, ranks, op, name, inplace):
         state.uses[members] += 1
         uses = state.uses[members]
         tags = pair_tags(state.shared, members, me, state.tag_ub)
-        if members in state.broken:
+        if state.broken and members in state.broken:
             raise GroupBroken(f"pycoll: {name} among ranks {group.ranks}: this group is broken "
                               f"on rank {me} since an earlier round failed "
                               f"({state.broken[members]}); that round's messages may still "
                               "arrive. Use other groups, or restart the job.")
-        deadline = time.monotonic() + config.get("timeout")
+        deadline = time.monotonic() + _settings.timeout
         try:
-            if config.get("check"):
+            if _settings.check:
                 _agree(state, group, tags, deadline, name,
                        f"{dst.dtype} x {dst.count} op={op.value}")
-            after = config.get("partial_cache_after")
-            # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware MPI or not.
-            with staged(dst, True, True) if dst.device != "cpu" else nullcontext(dst.ptr) as d:
-                if after and uses >= after:
-                    comm = _cached_comm(state, group, tags, uses, deadline, name)
-                    comm.Allreduce(MPI.IN_PLACE, message(d, dst.nbytes, dst.dtype),
-                                   mpi_op(op, dst.dtype))
-                    if op is Average:
-                        _C.scale(d, dst.count, dst.dtype, 1.0 / len(members))
-                else:
-                    _reduce(state, group, tags, d, dst.count, dst.dtype, op, deadline, name, out,
-                            config.get("partial_direct_bytes"))
+            if dst.device == "cpu":
+                _exchange(state, group, dst, dst.ptr, op, uses, tags, deadline, name, out)
+            else:
+                # The ring reduces with the CPU kernels: GPU memory is staged, CUDA-aware
+                # MPI or not.
+                with staged(dst, True, True) as ptr:
+                    _exchange(state, group, dst, ptr, op, uses, tags, deadline, name, out)
         except CollectiveMismatch:
             raise                        # every member found it after a complete exchange
         except BaseException as error:
@@ -343,9 +373,9 @@ def _plan(x, ranks, op, name, inplace):
             raise
         return out
     if config.get("link"):      # the cost of the exchange the compiled core runs, either path
-        kind = "direct" if dst.nbytes <= config.get("partial_direct_bytes") else "allreduce"
+        kind = "direct" if dst.nbytes <= _settings.direct_bytes else "allreduce"
         run = emulation.timed(kind, state.comm, dst.nbytes, run, members)
-    return f"{name}({group.ranks})", run
+    return name + group.label, run
 
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):

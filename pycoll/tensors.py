@@ -14,7 +14,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from . import _C
+from . import _C, config
 
 DTYPES = ("float16", "bfloat16", "float32", "float64",
           "int8", "int16", "int32", "int64", "uint8")
@@ -289,6 +289,23 @@ def empty_like(x, shape):
         return np.empty(tuple(shape), dtype=x.dtype)
     module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes
     return module.empty(tuple(shape), dtype=x.dtype)
+
+
+def pieces(nbytes: int, itemsize: int = 1, limit: Optional[int] = None) -> List[Tuple[int, int]]:
+    """The one cut of a long transfer: (offset, nbytes) of consecutive pieces covering
+    ``nbytes`` bytes of ``itemsize``-byte elements, each at most ``limit`` bytes
+    (PYCOLL_CHUNK_BYTES unless given) but at least one element, never cutting one. One
+    empty piece for nothing. A piece is small enough to stay in cache while it is
+    reduced or applied, and to travel while the next one is worked on."""
+    step = piece_bytes(itemsize, limit)
+    return [(offset, min(step, nbytes - offset)) for offset in range(0, max(nbytes, 1), step)]
+
+
+def piece_bytes(itemsize: int = 1, limit: Optional[int] = None) -> int:
+    """The size of ``pieces``' full pieces: ``limit`` (PYCOLL_CHUNK_BYTES unless given)
+    rounded down to whole elements, at least one."""
+    limit = config.get("chunk_bytes") if limit is None else limit
+    return max(itemsize, limit // itemsize * itemsize)
 
 
 def clone(x):

@@ -37,8 +37,8 @@ def path(settings, request, monkeypatch, pycoll_world):
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(partial, "CHUNK_BYTES", 8)      # many chunks per block
+def small_chunks(settings):
+    settings(chunk_bytes=8)                  # PYCOLL_CHUNK_BYTES: many chunks per block
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -176,3 +176,76 @@ def test_pair_tags_agree_and_never_repeat_between_two_ranks():
             assert used == [n % (tag_ub + 1) for n in range(len(used))], pair
             assert all(0 <= t <= tag_ub for t in used)
         assert max(len(used) for used in seen.values()) > tag_ub + 1 or tag_ub > 2**30
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["default", "checked"])
+def test_small_messages_every_group_in_place_and_out(settings, pycoll_world, check):
+    """The small-message path (the direct exchange) as users run it (PYCOLL_CHECK=0) and
+    checked: groups that change every call, never cached, numpy and torch, in place and
+    out of place, each round's values its own (a message taken by the wrong round shows)."""
+    settings(check=check, partial_cache_after=0)
+    rank = pycoll.rank()
+    for r in range(2):
+        for i, ranks in enumerate(subsets(pycoll.size())):
+            if rank not in ranks:
+                continue
+            for n in (1, 1024):
+                base = float(r * 100 + i)
+                x = np.full(n, base + rank, np.float32)
+                want = sum(base + m for m in ranks)
+                y = pycoll.partial_allreduce(x, list(ranks), op=pycoll.Sum)
+                np.testing.assert_array_equal(y, want)
+                np.testing.assert_array_equal(x, base + rank)          # out of place
+                t = torch.full((n,), base + rank, dtype=torch.float64)
+                assert pycoll.partial_allreduce_(t, ranks, op=pycoll.Average) is t
+                torch.testing.assert_close(t, torch.full((n,), want / len(ranks),
+                                                         dtype=torch.float64))
+
+
+def test_tags_stay_unique_across_many_random_groups(settings, pycoll_world):
+    """300 random groups of 2 to all ranks, the same list on every rank (as a group
+    generator hands them out), small and ring-sized tensors, each round's values its own:
+    every result is exact, and each pair of ranks has counted the same rounds on both
+    ends (the tags of the next round agree)."""
+    from mpi4py import MPI
+    settings(partial_cache_after=0, partial_direct_bytes=1024, chunk_bytes=4096)  # ring: chunks
+    rank, size = pycoll.rank(), pycoll.size()
+    rng = np.random.default_rng(24)
+    state = partial._state()
+    before = dict(state.shared)
+    rounds_with = partial.Counter()
+    for r in range(300):
+        k = int(rng.integers(min(2, size), size + 1))
+        group = sorted(rng.choice(size, k, replace=False).tolist())
+        n = int(rng.choice([1, 7, 3000]))                  # direct, direct, ring
+        if rank not in group:
+            continue
+        x = np.full(n, r * 16.0 + rank)
+        y = pycoll.partial_allreduce_(x, group, op=pycoll.Sum)
+        np.testing.assert_array_equal(y, sum(r * 16.0 + m for m in group))
+        rounds_with.update(m for m in group if m != rank)
+    counted = {m: state.shared[m] - before.get(m, 0) for m in range(size) if m != rank}
+    assert counted == {m: rounds_with[m] for m in counted}
+    everyone = MPI.COMM_WORLD.allgather({m: state.shared[m] for m in range(size)})
+    for a in range(size):
+        for b in range(size):
+            if a != b:
+                assert everyone[a][b] == everyone[b][a], (a, b)
+
+
+def test_one_piece_size_for_partial_rings_and_ps_payloads(settings):
+    """tensors.pieces: every byte once, whole elements, at most PYCOLL_CHUNK_BYTES (at least
+    one element); the parameter server's payload messages follow the same knob."""
+    from pycoll import tensors
+    from pycoll.ps import wire
+    for nbytes, itemsize, limit in [(0, 4, 8), (10, 2, 4), (4000, 8, 1000), (12, 4, 3)]:
+        cut = tensors.pieces(nbytes, itemsize, limit)
+        assert [o for o, _ in cut] == list(itertools.accumulate([0] + [n for _, n in cut[:-1]]))
+        assert sum(n for _, n in cut) == nbytes
+        assert all(n % itemsize == 0 and n <= max(limit, itemsize) for _, n in cut)
+    settings(chunk_bytes=1000)
+    assert tensors.pieces(4000, 8) == tensors.pieces(4000, 8, 1000)
+    assert tensors.piece_bytes(8) == 1000 and tensors.piece_bytes(3) == 999
+    keys, items = [5000, 12, 3000], [4, 2, 8]
+    assert wire.pieces(keys, items) == wire.pieces(keys, items, limit=1000)
+    assert max(sum(hi - lo for _, lo, hi in m) for m in wire.pieces(keys, items)) == 1000

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-from .. import timeline
+from .. import tensors, timeline
 from . import checkpoints as ckpt
 from . import wire
 from .optim import FLOATS, SGD, Shard
@@ -95,7 +95,7 @@ class Server:
                           delayed_pulls=0, delay_s=0.0, bytes_in=0, bytes_out=0,
                           updates=0, checkpoints=0, resumed=False, bad_requests=0,
                           waited_for={})      # worker -> seconds pulls waited for it
-        self.scratch = np.empty(wire.PIECE, np.uint8)      # one payload piece
+        self.scratch = np.empty(tensors.piece_bytes(), np.uint8)    # one payload piece
         self.sending: List[_Sending] = []                    # replies still in flight
         self.abandoned: list = []                            # receives that never completed
         self.quiet_since = self.last_housekeeping = time.monotonic()
@@ -288,7 +288,7 @@ class Server:
                 round_sums.setdefault(name, [None, 0])[1] += 1
         taken = call.since
         for segments, message in zip(messages, matched):
-            piece = self._take(call, message, self.scratch[:sum(h - l for _, l, h in segments)])
+            piece = self._take(call, message, self._piece(sum(h - l for _, l, h in segments)))
             taken = time.monotonic()
             if not weight:                  # dropped: its payload is taken, not applied
                 continue
@@ -464,6 +464,12 @@ class Server:
                                "(a wrong-size tensor?)")
         return [m for m, _ in call.pending]
 
+    def _piece(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the one reused buffer that payload pieces land in."""
+        if self.scratch.nbytes < nbytes:
+            self.scratch = np.empty(nbytes, np.uint8)
+        return self.scratch[:nbytes]
+
     def _take(self, call: _Call, message: MPI.Message, into: np.ndarray) -> np.ndarray:
         """Receive one matched payload message into ``into`` within the timeout."""
         call.pending = [p for p in call.pending if p[0] is not message]
@@ -475,7 +481,7 @@ class Server:
                 request.Cancel()
                 self.abandoned.append((request, into))      # MPI may still write there
                 if into.base is self.scratch:
-                    self.scratch = np.empty(wire.PIECE, np.uint8)
+                    self.scratch = np.empty(self.scratch.nbytes, np.uint8)
                 raise _ClientError(f"a payload message of worker {call.worker} did not arrive "
                                    f"within {self.timeout:g} s; it may have died")
         self.stats["bytes_in"] += into.nbytes
@@ -499,7 +505,7 @@ class Server:
                                        f"{self.timeout:g} s")
                 continue
             message, size = call.pending[0]
-            self._take(call, message, self.scratch[:size] if size <= wire.PIECE
+            self._take(call, message, self.scratch[:size] if size <= self.scratch.nbytes
                        else np.empty(size, np.uint8))
 
     def _check_resumed(self, entries) -> None:

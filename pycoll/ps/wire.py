@@ -38,6 +38,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import tensors
+
 MAGIC, VERSION = b"PCPS", 2
 REQUEST, BAD = 1, 2
 TAG_BASE, TAGS_PER_SLOT = 16, 4
@@ -56,10 +58,11 @@ ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo"
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
           "uint8")                                      # codes on the wire: never reorder
 ITEMSIZES = (2, 2, 4, 8, 1, 2, 4, 8, 1)
-# Payload pieces: the server adds each piece into its parameters while the piece is still
-# in cache, instead of landing the whole payload in memory and reading it back (a third
-# less memory traffic for big pushes); 1 MiB keeps the per-message cost negligible.
-PIECE = 1 << 20
+# Payload pieces (PYCOLL_CHUNK_BYTES, ``tensors.piece_bytes``): the server adds each piece
+# into its parameters while the piece is still in cache, instead of landing the whole
+# payload in memory and reading it back (a third less memory traffic for big pushes).
+# Workers and servers must run with the same PYCOLL_CHUNK_BYTES: a server refuses a
+# payload cut otherwise, naming both counts.
 
 
 class BadRequest(Exception):
@@ -218,11 +221,12 @@ def nap(quiet_s: float, shortest: float, longest: float) -> None:
 
 
 def pieces(nbytes: Sequence[int], itemsizes: Sequence[int],
-           limit: int = PIECE) -> List[List[Tuple[int, int, int]]]:
+           limit: Optional[int] = None) -> List[List[Tuple[int, int, int]]]:
     """How a payload of keys (``nbytes[i]`` bytes of ``itemsizes[i]``-byte elements each,
     back to back) is cut into messages: each message is a list of ``(key index, first
-    byte, end byte)`` within that key, at most ``limit`` bytes in all. Small keys share
-    a message, big ones are cut, never inside an element."""
+    byte, end byte)`` within that key, at most ``limit`` bytes in all (PYCOLL_CHUNK_BYTES
+    unless given). Small keys share a message, big ones are cut, never inside an element."""
+    limit = tensors.piece_bytes(max(itemsizes, default=1), limit)    # room for any element
     messages, current, used = [], [], 0
     for key, (n, size) in enumerate(zip(nbytes, itemsizes)):
         lo = 0

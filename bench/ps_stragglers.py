@@ -11,7 +11,7 @@ interleaved) under ``pycollrun --servers S --link L --slowdown ...``:
 - (b) the last two workers slowed 4x from 0.5 s to 3.5 s of training (windows count from
   the training start, the curves' zero), a longer training: 50 ms a step, learning rate
   0.03, 20 epochs, so that every scheme is still short of the target when the window
-  opens (on the loaded 2-core VM the fastest reached 90% at 1.7-1.8 s, BSP at 5.6 s) and
+  opens (on the loaded 2-core VM the fastest reached 90% at 1.7-1.8 s, BSP at 4.5-6.3 s) and
   the stragglers recover while training goes on; a quiet machine's shorter steps
   (50 ms of emulated compute against a few of overhead) change that little;
 - ``--slowdown SPEC``: one setting of your own instead (with the command line's knobs).

@@ -3,16 +3,21 @@
     python bench/reproduce.py [--quick | --tiny] [--only fluentps,ripples] [--repeat N]
                               [--link LATENCY,BANDWIDTH] [--out DIR] [--fresh]
 
-Every experiment trains scikit-learn's digits MLP (shipped with scikit-learn, no
-download) on "a cluster" emulated on this machine: slow ranks by ``--slowdown`` and, with
-``--link`` (or PYCOLL_LINK), a network by pycoll's link emulation. Each run (experiment,
-point, repetition; seeds are the repetition numbers) is one JSON file under ``--out``:
-an interrupted run picks up where it stopped (``--fresh`` starts over). The report,
-``--out/README.md`` with PNG plots, gives per point the median and spread over the
-repetitions, and per paper its headline number beside the measured one with a verdict.
+Every experiment trains a model on "a cluster" emulated on this machine: slow ranks by
+``--slowdown``, a network by pycoll's link emulation (``--link``): ``--link`` (default
+50us,1.25GB/s, a 10 Gb/s network) for FluentPS, SaPS and Ripples; R²SP and iPart keep
+their own slower links, whose contention is their papers' point. The PS and
+decentralized experiments train scikit-learn's digits MLP (shipped with scikit-learn, no
+download); iPart a model of many small layers and two large ones, compute emulated, at
+2 to 8 workers (its scaling). Each run (experiment, point, repetition; seeds are the
+repetition numbers) is one JSON file under ``--out``: an interrupted run picks up where
+it stopped (``--fresh`` starts over). The report, ``--out/README.md`` with PNG plots
+(accuracy against time; iPart's throughput against workers), gives per point the median
+and spread over the repetitions, and per paper its headline number beside the measured
+one with a verdict.
 
 ``--quick`` (``make reproduce QUICK=1``) is a few minutes; ``--tiny`` is the test suite's
-smoke run. Experiments are added as their schemes land.
+smoke run.
 """
 import argparse
 import json
@@ -46,17 +51,23 @@ class Size:
     saps_workers: int
     saps_settings: List[str]            # ps_stragglers' settings: a, b
     saps_policies: List[str]
-    ipart: dict          # bench/overlap.py's settings: workers, steps, small, width, modes, links
+    ipart: dict          # bench/overlap.py's settings: steps, small, width, modes, link,
+                         # and the sweep's worker counts and repetitions (fewer: long runs)
+    link: str = ps_stragglers.LINK     # --link of FluentPS, SaPS and Ripples
+    ripples_scenarios: tuple = ("equal workers", "rank 3 slowed 4x")
 
 
 SAPS_ALL = ["bsp", "asp", "ssp:3", "fluentps:3", "saps"]
-_IPART = dict(workers=4, steps=12, small=24, width=4096, modes=("allreduce", "ps"),
-              links=("50us,125MB/s",))
+_IPART = dict(workers=(2, 4), repeat=1, steps=8, small=24, width=4096,
+              modes=("allreduce", "ps"), link="50us,125MB/s")
 SIZES = {"tiny": Size(1, 1, [2], 1.5, 4, 1, 2, False, 2, ["a"], ["saps"],
-                      dict(_IPART, workers=2, steps=6, small=6, width=1024, modes=("allreduce",))),
+                      dict(_IPART, workers=(2,), steps=6, small=6, width=1024,
+                           modes=("allreduce",)), ripples_scenarios=("rank 3 slowed 4x",)),
          "quick": Size(1, 4, [2, 4], 5.0, 6, 6, 4, True, 4, ["a"], SAPS_ALL, _IPART),
          "full": Size(3, 10, [2, 4, 6], 10.0, 8, 10, 4, True, 4, ["a", "b"], SAPS_ALL,
-                      dict(_IPART, steps=16, links=("50us,1.25GB/s", "50us,125MB/s")))}
+                      # PS layerwise at 8 workers: seconds a step; 10 steps (the second
+                      # half measured) and 2 repetitions keep the sweep near 5 minutes
+                      dict(_IPART, workers=(2, 4, 8), repeat=2, steps=10))}
 
 
 def time_to(curve, target: float = TARGET):
@@ -72,6 +83,7 @@ class Experiment:
     points: Callable[[Size], Dict[str, Callable[[int], dict]]]   # point -> run(seed)
     summary: Callable[[Dict[str, List[dict]]], tuple] = field(repr=False)   # -> (table, measured, verdict)
     plot: Callable[[Dict[str, List[dict]], Path], None] = field(repr=False)
+    repeat: Callable[[Size], int] = lambda size: size.repeat      # repetitions per point
 
 
 # ---------------------------------------------------------------- FluentPS
@@ -83,7 +95,8 @@ def _ps_point(policy: str, workers: int, size: Size) -> Callable[[int], dict]:
     def run(seed: int) -> dict:
         out = run_job(workers + PS_SERVERS, "ps_digits.py",
                       ["--policy", policy, "--epochs", size.ps_epochs, "--seed", seed],
-                      flags=["--servers", str(PS_SERVERS), "--slowdown", f"1:{PS_SLOW:g}"])
+                      flags=["--servers", str(PS_SERVERS), "--slowdown", f"1:{PS_SLOW:g}",
+                             "--link", size.link])
         return {"curve": out["curve"], "final": out["final"], "seconds": out["seconds"],
                 "delayed_pulls": sum(s["delayed_pulls"] for s in out["servers"]),
                 "megabytes": sum(s["bytes_in"] + s["bytes_out"] for s in out["servers"]) / 1e6}
@@ -163,8 +176,8 @@ def _r2sp_summary(runs):
     slowed = _median([r["iteration_spread"] for r in runs.get("r2sp, worker 1 slowed 2x", [])])
     speedup = bsp / r2sp if bsp and r2sp else None
     measured = (f"link {R2SP_LINK}, to {TARGET:.0%}: R²SP {r2sp:.2f} s vs BSP {bsp:.2f} s "
-                f"({speedup:.2f}x)"
-                if speedup else f"link {R2SP_LINK}, to {TARGET:.0%}: R²SP {r2sp} s vs BSP {bsp} s")
+                f"({speedup:.2f}x)" if speedup else
+                f"link {R2SP_LINK}, to {TARGET:.0%}: R²SP {_seconds(r2sp)} vs BSP {_seconds(bsp)}")
     measured += (f"; pushes in flight at the server R²SP {flight['r2sp']:.2f} vs BSP "
                  f"{flight['bsp']:.2f}" if flight["r2sp"] and flight["bsp"] else "")
     measured += f"; worker 1 slowed 2x: iteration max/min {slowed:.2f}" if slowed else ""
@@ -185,21 +198,31 @@ def _r2sp_curves(runs):
 
 # ---------------------------------------------------------------- Ripples
 
-RIPPLES_SCENARIOS = {"equal workers": [], "rank 3 slowed 4x": ["--slowdown", "3:4"]}
+RIPPLES_SCENARIOS = {"equal workers": None, "rank 3 slowed 4x": "3:4"}
+RIPPLES_PS = "asp"        # the PS baseline: asynchronous, so it too never waits for a straggler
 
 
-def _ripples_point(flags, size: Size) -> Callable[[int], dict]:
+def _ripples_point(slow, size: Size) -> Callable[[int], dict]:
+    """ripples_digits.py's schemes, then the PS (one server more) on the same model, batch,
+    learning rate and 20 ms steps, for as many passes over the data as size.ps_epochs."""
     def run(seed: int) -> dict:
+        flags = ["--link", size.link] + (["--slowdown", slow] if slow else [])
         out = run_job(size.ripples_ranks, "ripples_digits.py",
                       ["--scheme", "all", "--seconds", size.ripples_seconds, "--seed", seed],
                       flags=flags)
-        return {"schemes": {r["scheme"]: {"curve": r["curve"], "final": r["final_accuracy"]}
-                            for r in out["results"]}}
+        schemes = {r["scheme"]: {"curve": r["curve"], "final": r["final_accuracy"]}
+                   for r in out["results"]}
+        ps = run_job(size.ripples_ranks + 1, "ps_digits.py",
+                     ["--policy", RIPPLES_PS, "--epochs", size.ps_epochs, "--seed", seed,
+                      "--batch-size", 16, "--lr", 0.05, "--step-ms", 20],
+                     flags=["--servers", "1"] + flags)
+        schemes[f"ps ({RIPPLES_PS})"] = {"curve": ps["curve"], "final": ps["final"]}
+        return {"schemes": schemes}
     return run
 
 
 def _ripples_points(size: Size):
-    return {name: _ripples_point(flags, size) for name, flags in RIPPLES_SCENARIOS.items()}
+    return {name: _ripples_point(RIPPLES_SCENARIOS[name], size) for name in size.ripples_scenarios}
 
 
 def _ripples_summary(runs):
@@ -217,10 +240,10 @@ def _ripples_summary(runs):
                     for s in reps[0]["schemes"] if s.startswith("ripples")), default=None)
         t = _median([time_to(r["schemes"][best[1]]["curve"]) for r in reps]) if best else None
         sooner[scenario] = t is not None and (base is None or t < base)
-        measured.append(f"{scenario}: {best[1] if best else 'Ripples'} "
-                        + (f"{t:.2f} s" if t else "not reached")
-                        + f" vs AllReduce {f'{base:.2f} s' if base else 'not reached'}"
-                        + (f" ({base / t:.2f}x)" if base and t else ""))
+        ps = _median([time_to(r["schemes"][f"ps ({RIPPLES_PS})"]["curve"]) for r in reps])
+        measured.append(f"{scenario}: {best[1] if best else 'Ripples'} {_seconds(t)} vs "
+                        f"AllReduce {_seconds(base)}" + (f" ({base / t:.2f}x)" if base and t else "")
+                        + f", PS {_seconds(ps)}" + (f" ({ps / t:.2f}x)" if ps and t else ""))
     hetero = sooner.get("rank 3 slowed 4x")
     verdict = ("direction reproduced: with a straggler Ripples reaches the target sooner than "
                "AllReduce" if hetero else
@@ -232,57 +255,93 @@ def _ripples_summary(runs):
 
 # ---------------------------------------------------------------- iPart
 
+IPART_SCHEDULES = ("default", "layerwise", "ipart")
+
+
 def _ipart_points(size: Size):
+    """bench/overlap.py's jobs (every schedule, in turn, in one job) per mode and worker
+    count, on one slow link: the scaling sweep."""
     import argparse
     import overlap as bench
-    settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, **{
-        k: v for k, v in size.ipart.items() if k not in ("modes", "links")})
+    ipart = size.ipart
 
-    def point(mode, link):
+    def point(mode, workers):
+        settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, workers=workers, **{
+            k: ipart[k] for k in ("steps", "small", "width")})
+
         def run(seed: int) -> dict:
-            rows = bench.run(mode, link, settings)
-            comm = bench.communication(mode, link, rows["default"]["bytes"], settings)
-            return {"rows": rows, "comm_s": comm}
+            rows = bench.run(mode, ipart["link"], settings)
+            comm = bench.communication(mode, ipart["link"], rows["default"]["bytes"], settings)
+            return {"rows": rows, "comm_s": comm, "workers": workers, "mode": mode,
+                    "link": ipart["link"]}
         return run
-    return {f"{mode} {link}": point(mode, link)
-            for mode in size.ipart["modes"] for link in size.ipart["links"]}
+    return {f"{mode} {w} workers": point(mode, w)
+            for mode in ipart["modes"] for w in ipart["workers"]}
+
+
+def _ipart_throughput(runs):
+    """{mode: {schedule: [(workers, steps a second summed over workers)]}}, medians;
+    "local" is the same steps with no communication (perfect scaling)."""
+    out: dict = {}
+    for reps in runs.values():
+        mode, workers = reps[0]["mode"], reps[0]["workers"]
+        for s in ("local",) + IPART_SCHEDULES:
+            step = _median([r["rows"][s]["step_s"] for r in reps])
+            out.setdefault(mode, {}).setdefault(s, []).append((workers, workers / step))
+    return {m: {s: sorted(v) for s, v in by.items()} for m, by in out.items()}
 
 
 def _ipart_summary(runs):
-    rows, measured, faster = [], [], []
+    rows = []
     for point, reps in runs.items():
         step = {s: _median([r["rows"][s]["step_s"] for r in reps])
-                for s in ("local", "default", "layerwise", "ipart")}
+                for s in ("local",) + IPART_SCHEDULES}
         bound = max(step["local"], _median([r["comm_s"] for r in reps]))
-        for s in ("default", "layerwise", "ipart"):
+        for s in IPART_SCHEDULES:
             rows.append([point, s, _spread([1e3 * r["rows"][s]["step_s"] for r in reps], "{:.1f}"),
-                         f"{step['local'] / step[s]:.2f}", f"{step['default'] / step[s]:.2f}x",
-                         f"{step['layerwise'] / step[s]:.2f}x", f"{step[s] / bound:.2f}"])
-        measured.append(f"{point}: iPart {step['default'] / step['ipart']:.2f}x default, "
-                        f"{step['layerwise'] / step['ipart']:.2f}x layerwise")
-        faster.append(step["ipart"] < min(step["default"], step["layerwise"]))
-    verdict = ("direction reproduced: iPart's steps are shorter than default's and "
-               "layerwise's at every point" if all(faster) else
-               f"partly reproduced: iPart fastest at {sum(faster)} of {len(faster)} points"
-               if any(faster) else "not reproduced: iPart was not the fastest schedule here")
-    table = (["point", "schedule", "step (ms)", "efficiency", "vs default", "vs layerwise",
-              "step / bound"], rows)
+                         f"{reps[0]['workers'] / step[s]:.1f}", f"{step['local'] / step[s]:.2f}",
+                         f"{step['default'] / step[s]:.2f}x", f"{step['layerwise'] / step[s]:.2f}x",
+                         f"{step[s] / bound:.2f}"])
+    measured, better = [], []
+    for mode, by in sorted(_ipart_throughput(runs).items(), reverse=True):
+        (w0, _), (w1, _) = by["ipart"][0], by["ipart"][-1]
+        scaling = {s: points[-1][1] / points[0][1] for s, points in by.items()}
+        top = {s: points[-1][1] for s, points in by.items()}
+        measured.append(f"{mode}, {w1} workers: iPart {top['ipart'] / top['default']:.2f}x "
+                        f"default's throughput, {top['ipart'] / top['layerwise']:.2f}x "
+                        f"layerwise's" + (f"; scaling {w0}->{w1} workers iPart "
+                                          f"{scaling['ipart']:.2f}x, default "
+                                          f"{scaling['default']:.2f}x, layerwise "
+                                          f"{scaling['layerwise']:.2f}x" if w1 > w0 else ""))
+        better.append(top["ipart"] > 1.02 * max(top["default"], top["layerwise"]))
+    verdict = ("direction reproduced: at the most workers iPart's throughput beats default's "
+               "and layerwise's (by 2% or more) in every mode" if all(better) else
+               f"partly reproduced: at the most workers iPart beats default and layerwise by "
+               f"2% or more in {sum(better)} of {len(better)} modes (ps, allreduce order)"
+               if any(better) else "not reproduced: iPart was not the fastest schedule here")
+    table = (["point", "schedule", "step (ms)", "throughput (steps/s, all workers)",
+              "efficiency", "vs default", "vs layerwise", "step / bound"], rows)
     return table, "; ".join(measured), verdict
 
 
 def _plot_ipart(runs, path: Path) -> None:
+    """Throughput against workers, a panel per mode."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    schedules = ("default", "layerwise", "ipart")
-    for i, s in enumerate(schedules):
-        ax.bar([j + 0.25 * i for j in range(len(runs))],
-               [1e3 * _median([r["rows"][s]["step_s"] for r in reps]) for reps in runs.values()],
-               0.25, label=s)
-    ax.set_xticks([j + 0.25 for j in range(len(runs))], list(runs), fontsize=8)
-    ax.set(ylabel="step time (ms)", title="iPart against default and layerwise")
-    ax.legend()
+    curves = _ipart_throughput(runs)
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, (mode, by) in zip(axes[0], curves.items()):
+        for s, points in by.items():
+            local = s == "local"
+            ax.plot(*zip(*points), marker="" if local else "o", ls="--" if local else "-",
+                    color="grey" if local else None,
+                    label="no communication" if local else s)
+        link = next(iter(runs.values()))[0]["link"]
+        ax.set(title=f"iPart's sweep: {mode}, link {link}", xlabel="workers", ylabel="throughput (steps/s, all workers)", ylim=(0, None))
+        ax.set_xticks(sorted({w for points in by.values() for w, _ in points}))
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -292,17 +351,19 @@ def _plot_ipart(runs, path: Path) -> None:
 
 def _saps_point(policy: str, setting: str, size: Size) -> Callable[[int], dict]:
     def run(seed: int) -> dict:
-        spec = ps_stragglers.settings(size.saps_workers)[setting][1]
-        # --link as for every experiment (pycollrun passes PYCOLL_LINK on); 20 ms of
-        # emulated compute per step makes the slowed workers stragglers (ps_stragglers.py)
-        out = ps_stragglers.run(policy, spec, workers=size.saps_workers, epochs=size.ps_epochs,
-                              link=None, seed=seed)
+        # ps_stragglers' knobs (20 ms of emulated compute a step makes the slowed workers
+        # stragglers), and the setting's own (b's longer training)
+        title, spec, own = ps_stragglers.settings(size.saps_workers)[setting]
+        out = ps_stragglers.run(policy, spec, **{"workers": size.saps_workers,
+                                                 "epochs": size.ps_epochs, "link": size.link,
+                                                 "seed": seed, **own})
         slowed = ps_stragglers.slowed_workers(spec)
         return {"curve": out["curve"], "final": out["final"], "seconds": out["seconds"],
                 "staleness": {k: v for k, v in ps_stragglers.staleness(out, slowed).items()
                               if k != "histogram"},
                 "flags": ps_stragglers.flags(out),
-                "dropped": sum(out["stragglers"].get("dropped", [0]))}
+                "dropped": sum(out["stragglers"].get("dropped", [0])),
+                "pull_wait_ms": 1e3 * statistics.mean(out["pull_wait_s"])}
     return run
 
 
@@ -321,7 +382,8 @@ def _saps_summary(runs):
                               for k in ("median", "p99", "max")),
                      _median([s["slowed_p90"] for s in stale]),
                      ", ".join(ps_stragglers.flag_text(f) for f in reps[0]["flags"]) or "-",
-                     _median([r["dropped"] for r in reps])])
+                     _median([r["dropped"] for r in reps]),
+                     _spread([r.get("pull_wait_ms") for r in reps])])
     for setting in sorted({p.rsplit(" ", 1)[1] for p in runs}):
         here = {p.rsplit(" ", 1)[0]: reps for p, reps in runs.items() if p.endswith(setting)}
         times = {p: _median([time_to(r["curve"]) for r in reps]) for p, reps in here.items()}
@@ -333,19 +395,23 @@ def _saps_summary(runs):
             good.append(False)
             continue
         ssp = finals.get("ssp:3")
+        waits = {p: _median([r.get("pull_wait_ms") for r in reps]) for p, reps in here.items()}
         first = saps <= 1.1 * reached[fastest]          # within 10%: this machine's noise
         accurate = ssp is None or finals["saps"] >= ssp - 0.005
         good.append(first and accurate)
         measured.append(f"{setting}: SaPS {saps:.2f} s to {TARGET:.0%} vs fastest {fastest} "
                         f"{reached[fastest]:.2f} s ({saps / reached[fastest]:.2f}x); final "
                         f"{100 * finals['saps']:.1f}%"
-                        + (f" vs SSP(3) {100 * ssp:.1f}%" if ssp is not None else ""))
+                        + (f" vs SSP(3) {100 * ssp:.1f}%" if ssp is not None else "")
+                        + (f"; blocked in pull {waits['saps']:.2f} ms a step vs ASP's "
+                           f"{waits['asp']:.2f}" if waits.get("saps") and waits.get("asp")
+                           else ""))
     verdict = ("reproduced: SaPS reaches the target first or within 10% of the fastest, with "
                "final accuracy no worse than SSP(3)'s (0.5 pt)" if good and all(good) else
                "not reproduced: SaPS was not the fastest within 10%, or ended below SSP(3)")
     table = (["point", f"time to {TARGET:.0%} (s)", "final accuracy (%)",
               "applied staleness median/p99/max", "slowed workers' p90", "SaPS flags (s)",
-              "dropped"], rows)
+              "dropped", "blocked in pull (ms/step)"], rows)
     return table, "; ".join(measured), verdict
 
 
@@ -412,7 +478,8 @@ EXPERIMENTS = {e.name: e for e in (
     Experiment("ipart", "iPart (TPDS 2021)",
                "on 72 nodes up to 94% better scalability than the default PS and 52% better "
                "than layer-by-layer",
-               _ipart_points, _ipart_summary, _plot_ipart),
+               _ipart_points, _ipart_summary, _plot_ipart,
+               repeat=lambda size: min(size.repeat, size.ipart["repeat"])),
     Experiment("saps", "SaPS (Yu et al.; HPCC 2019)",
                "converges faster than synchronous, asynchronous and several SGD variants on "
                "heterogeneous clusters (no number public)",
@@ -426,6 +493,10 @@ EXPERIMENTS = {e.name: e for e in (
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _seconds(value) -> str:
+    return "not reached" if value is None else f"{value:.2f} s"
 
 
 def _spread(values, fmt: str = "{:.2f}") -> str:
@@ -450,7 +521,7 @@ def _slug(text: str) -> str:
 def run_all(experiments, size: Size, out: Path, progress) -> Dict[str, Dict[str, List[dict]]]:
     """Every (experiment, point, repetition) not already on disk; all of them, read back."""
     plan = [(e, point, fn, rep) for e in experiments for point, fn in e.points(size).items()
-            for rep in range(size.repeat)]
+            for rep in range(e.repeat(size))]
     results: Dict[str, Dict[str, List[dict]]] = {}
     with progress(total=len(plan), unit="run") as bar:
         for e, point, fn, rep in plan:
@@ -478,9 +549,10 @@ def report(experiments, results, size_name: str, size: Size, link: str, out: Pat
     lines = ["# pycoll reproduces its papers", "",
              f"`bench/reproduce.py --{size_name}`" if size_name != "full" else "`make reproduce`",
              "", f"Machine: {_machine()}. Emulation: compute slowdowns as each experiment says; "
-             f"network: {'--link ' + link if link else 'none (shared memory)'}. "
-             f"{size.repeat} repetition(s) per point (seeds 0-{size.repeat - 1}); cells are "
-             "median (min-max).", "",
+             f"network: --link {link} (FluentPS, SaPS, Ripples), {R2SP_LINK} (R²SP's one "
+             f"server), {size.ipart['link']} (iPart). {size.repeat} repetition(s) per point "
+             f"(iPart's sweep: {min(size.repeat, size.ipart['repeat'])}; seeds from 0); cells "
+             "are median (min-max).", "",
              "| paper | headline | measured here | verdict |", "|---|---|---|---|"]
     sections = []
     for e in experiments:
@@ -528,7 +600,8 @@ def main(argv=None) -> int:
     which.add_argument("--tiny", action="store_true", help="the test suite's smoke run")
     parser.add_argument("--only", help=f"comma-separated, from {','.join(EXPERIMENTS)}")
     parser.add_argument("--repeat", type=int, help="repetitions per point")
-    parser.add_argument("--link", default="", help="pycollrun --link for every job (PYCOLL_LINK)")
+    parser.add_argument("--link", default=Size.link,
+                        help="pycollrun --link of the FluentPS, SaPS and Ripples jobs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reproduce"))
     parser.add_argument("--fresh", action="store_true", help="forget the runs already done")
     args = parser.parse_args(argv)
@@ -545,8 +618,7 @@ def main(argv=None) -> int:
     if args.fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.link:
-        os.environ["PYCOLL_LINK"] = args.link      # pycollrun exports PYCOLL_* to every rank
+    size.link = args.link
     results = run_all(experiments, size, out, _progress())
     path = report(experiments, results, size_name, size, args.link, out)
     print(f"wrote {path}")

@@ -53,7 +53,7 @@ def main():
     args = parser.parse_args()
 
     torch.set_num_threads(1)                      # ranks share the cores
-    # Set up before init: --slowdown windows and SaPS's flag times count from init.
+    # Set up before init: SaPS's flag times count from init.
     data, model = load(), mlp(args.seed, args.hidden)
     ps.init(policy=args.policy, optimizer=ps.SGD(lr=args.lr, momentum=args.momentum))
     initialized = time.perf_counter()
@@ -69,6 +69,9 @@ def main():
 
     per_epoch = math.ceil(len(train) / args.batch_size)
     pycoll.barrier()
+    # --slowdown windows count from here, the curve's zero, however long the set-up took
+    # (a loaded machine stretches it): every run's stragglers come at the same training time.
+    pycoll.hetero.mark_start()
     start, curve, iterations = time.perf_counter(), [], []
     drawn = batches()
     for step in range(1, args.epochs * per_epoch + 1):
@@ -87,6 +90,7 @@ def main():
         if rank == 0 and step % per_epoch == 0 and curve:
             print(f"epoch {step // per_epoch:3d}  test accuracy {100 * curve[-1][1]:.2f}%  "
                   f"({time.perf_counter() - start:.2f} s)", flush=True)
+    pull_wait = worker.pull_wait_s / len(iterations)      # blocked in pull() per step
     worker.pull()
     if worker.pacer is not None:                 # R²SP
         ps.turn(0)                                # done: the others stop keeping our turn
@@ -95,8 +99,9 @@ def main():
     final, elapsed = accuracy(model, data), time.perf_counter() - start
     stats = ps.counters()
     late = iterations[len(iterations) // 2:]      # after adapting: per worker
-    mine = np.array([statistics.median(t for t, _ in late), statistics.mean(n for _, n in late)])
-    everyone = pycoll.allgather(mine.reshape(1, 2)).tolist()
+    mine = np.array([statistics.median(t for t, _ in late), statistics.mean(n for _, n in late),
+                     pull_wait])
+    everyone = pycoll.allgather(mine.reshape(1, 3)).tolist()
     if rank == 0:
         curve.append((elapsed, final))
         servers = stats["servers"]
@@ -105,15 +110,18 @@ def main():
               f"{sum(s['delayed_pulls'] for s in servers)}; pushes in flight mean "
               f"{statistics.mean(s['pushes_in_flight_mean'] for s in servers):.2f}", flush=True)
         print("per worker, second half: iteration " + ", ".join(
-            f"{1e3 * t:.1f} ms (batch {n:.0f})" for t, n in everyone), flush=True)
+            f"{1e3 * t:.1f} ms (batch {n:.0f})" for t, n, _ in everyone), flush=True)
+        print("per worker, blocked in pull per step: " + ", ".join(
+            f"{1e3 * w:.2f} ms" for _, _, w in everyone), flush=True)
         print(ps.straggler_line(stats), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(policy=args.policy, workers=size, curve=curve, final=final,
                                seconds=elapsed, setup_s=start - initialized, servers=servers,
                                stragglers=stats["stragglers"],
-                               iteration_s=[t for t, _ in everyone],
-                               batch=[n for _, n in everyone]), f)
+                               iteration_s=[t for t, _, _ in everyone],
+                               batch=[n for _, n, _ in everyone],
+                               pull_wait_s=[w for _, _, w in everyone]), f)
 
 
 if __name__ == "__main__":

@@ -171,11 +171,13 @@ def test_reproduce_smoke_run_is_resumable_and_writes_its_report(tmp_path):
     for paper in ("FluentPS", "R²SP", "Ripples", "iPart", "SaPS"):
         row = next(line for line in report.splitlines() if line.startswith(f"| {paper}"))
         assert "reproduced" in row                    # a verdict, whichever it is
-    for plot in ("fluentps", "r2sp", "saps"):
+    for plot in ("fluentps", "r2sp", "ripples", "ipart", "saps"):
         assert (tmp_path / "tiny" / f"{plot}.png").stat().st_size > 0
-    assert "applied staleness median/p99/max" in report
+    assert "applied staleness median/p99/max" in report and "blocked in pull" in report
+    assert "| rank 3 slowed 4x | ps (asp) |" in report              # Ripples' PS baseline
+    assert "allreduce 2 workers | ipart |" in report                # iPart's sweep
     runs = sorted(tmp_path.glob("tiny/*/*.json"))
-    assert len(runs) == 8 and all(json.loads(p.read_text())["_run"]["seed"] == 0 for p in runs)
+    assert len(runs) == 7 and all(json.loads(p.read_text())["_run"]["seed"] == 0 for p in runs)
     stamps = [p.stat().st_mtime_ns for p in runs]
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -274,7 +274,7 @@ class Engine:
                 work._result = result           # batch.done, set below, signals them all
         except BaseException as error:      # delivered to whoever waits on the Works
             for work in batch.works:
-                work._finish(error=error, signal=False)
+                work.finish(error=error, signal=False)
         finally:
             self._runner = None
             batch.done.set()

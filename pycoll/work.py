@@ -38,8 +38,11 @@ class Work:
         self._result: Any = None
         self._error: Optional[BaseException] = None
 
-    def _finish(self, result: Any = None, error: Optional[BaseException] = None,
-                signal: bool = True) -> None:
+    def finish(self, result: Any = None, error: Optional[BaseException] = None,
+               signal: bool = True) -> None:
+        """Complete this Work with its result or error: called by whoever runs the
+        operation (the engine, the PS worker's thread, the torch backend), once.
+        ``signal=False`` records them for a shared ``_done`` set later."""
         self._result, self._error = result, error
         if signal:
             self._done.set()

@@ -212,7 +212,7 @@ class Client:
             if part.op in (wire.PUSH, wire.PUSH_PULL):
                 self.pushed[part.server] += 1
         if not parts:
-            work._finish(finish() if finish else None)
+            work.finish(finish() if finish else None)
             return work
         with self._cv:
             self._new.append(op)
@@ -248,7 +248,7 @@ class Client:
             self._orphans = pending       # kept: MPI may still read or write their buffers
             for op in pending:
                 if not op.work._done.is_set():
-                    op.work._finish(error=error)
+                    op.work.finish(error=error)
 
     def _loop(self, active: List[_Op]) -> None:
         unsent: collections.deque = collections.deque()       # parts waiting for a slot
@@ -281,10 +281,10 @@ class Client:
                         if part in unsent:
                             unsent.remove(part)
                     active.remove(op)
-                    op.work._finish(error=error)
+                    op.work.finish(error=error)
                     continue
                 active.remove(op)
-                op.work._finish(result)
+                op.work.finish(result)
             self._bury()
             now = time.monotonic()
             if moved:

@@ -477,11 +477,11 @@ class _Poller:
                 raise pycoll.CollectiveTimeout(f"pycoll: {work.name} was cancelled")
             value = finish(status)
         except BaseException as error:
-            work._finish(error=error)
+            work.finish(error=error)
             _callbacks.submit(future.set_exception, error)
             return
         work.source = status.Get_source()
-        work._finish(value)
+        work.finish(value)
         _callbacks.submit(future.set_result, value)
 
 

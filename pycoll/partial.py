@@ -304,13 +304,14 @@ class _Settings(NamedTuple):
     direct_bytes: int
     chunk_bytes: int
     timeout: float
+    link: object
 
 
 def _read_settings() -> None:
     global _settings
     _settings = _Settings(config.get("check"), config.get("partial_cache_after"),
                           config.get("partial_direct_bytes"), config.get("chunk_bytes"),
-                          config.get("timeout"))
+                          config.get("timeout"), config.get("link"))
 
 
 _settings: _Settings
@@ -372,7 +373,7 @@ def _plan(x, ranks, op, name, inplace):
             state.broken[members] = f"{type(error).__name__}: {error}"
             raise
         return out
-    if config.get("link"):      # the cost of the exchange the compiled core runs, either path
+    if _settings.link:          # the cost of the exchange the compiled core runs, either path
         kind = "direct" if dst.nbytes <= _settings.direct_bytes else "allreduce"
         run = emulation.timed(kind, state.comm, dst.nbytes, run, members)
     return name + group.label, run

@@ -219,21 +219,22 @@ def malformed(comm, server, client, n):
 
     w = wire.encode_table([wire.Entry("w", "float32", n, 0, n)])
     ask("garbage", b"hello, server", on_slot=False)
-    ask("version", H.pack(wire.MAGIC, 99, wire.PULL, slot, next_id(), 0, 0.0, 0, 0, 0, 1.0, 0.0),
-        on_slot=False)
+    ask("version", H.pack(wire.MAGIC, 99, wire.PULL, slot, next_id(), 0, 0.0, 0, 0, 0, 1.0, 0.0,
+                          0.0), on_slot=False)
     ask("truncated", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, next_id(), 0, 0.0, 1, 0, 0,
-                            1.0, 0.0))
-    ask("op", H.pack(wire.MAGIC, wire.VERSION, 99, slot, next_id(), 0, 0.0, 0, 0, 0, 1.0, 0.0))
+                            1.0, 0.0, 0.0))
+    ask("op", H.pack(wire.MAGIC, wire.VERSION, 99, slot, next_id(), 0, 0.0, 0, 0, 0, 1.0, 0.0,
+                     0.0))
     ask("payload", H.pack(wire.MAGIC, wire.VERSION, wire.PUSH, slot, next_id(), 0, 0.0, 1, 1,
-                          4 * n, 1.0, 0.0) + w, payload=np.zeros(2, np.float32))
+                          4 * n, 1.0, 0.0, 0.0) + w, payload=np.zeros(2, np.float32))
     ask("dtype", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, next_id(), 0, 0.0, 1, 0, 0,
-                        1.0, 0.0)
+                        1.0, 0.0, 0.0)
         + wire.encode_table([wire.Entry("w", "float64", n, 0, n)]))
     ask("key", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, next_id(), 0, 0.0, 1, 0, 0,
-                      1.0, 0.0)
+                      1.0, 0.0, 0.0)
         + wire.encode_table([wire.Entry("nope", "float32", n, 0, n)]))
-    ask("order", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, 1, 0, 0.0, 1, 0, 0, 1.0, 0.0)
-        + w)
+    ask("order", H.pack(wire.MAGIC, wire.VERSION, wire.PULL, slot, 1, 0, 0.0, 1, 0, 0, 1.0, 0.0,
+                        0.0) + w)
 
 
 def silent_payload(n=1000):

@@ -13,17 +13,20 @@ from ps_launch import run_ps_job
 pytestmark = pytest.mark.timeout(120)
 
 
-def simulate(speeds, rounds, base=32, comm=0.002, policy=None, stop=None):
+def simulate(speeds, rounds, base=32, comm=0.002, policy=None, stop=None, short=0):
     """Workers computing ``batch / speed`` seconds and communicating ``comm`` per
     iteration (the first half pushing), gated by a Coordinator, on a simulated clock:
     a released worker holds its push for the answer's ``delay_s``. ``stop``: a worker
-    that pushes but never asks again after its release number ``stop[1]``. Returns
-    (coordinator, releases as (worker, time, answer), pushes as (worker, start, end))."""
+    that pushes but never asks again after its release number ``stop[1]``. ``short``:
+    every that many pushes a worker computes a quarter batch (an epoch's remainder).
+    Returns (coordinator, releases as (worker, time, answer), pushes as (worker, start,
+    end))."""
     n = len(speeds)
     coord = Coordinator(policy or R2SP(), n, timeout=1e9)
     ask_at = {w: 0.0005 * w for w in range(n)}
     push_at = {}
     samples, releases, pushes, now = [base] * n, [], [], 0.0
+    done = [base] * n                     # in the iteration each computes or computed last
     while len(releases) < rounds * n:
         due = coord.next_due(now)
         now = min(min(ask_at.values(), default=math.inf), min(push_at.values(), default=math.inf),
@@ -34,11 +37,14 @@ def simulate(speeds, rounds, base=32, comm=0.002, policy=None, stop=None):
             coord.pushing(w, now, now)
             coord.pushed(w, comm / 2, now + comm / 2)
             pushes.append((w, now, now + comm / 2))
+            remainder = short and coord.turns[w] % short == 0
+            done[w] = max(1, samples[w] // 4) if remainder else samples[w]
             if stop is None or (w, coord.turns[w]) != stop:
-                ask_at[w] = now + comm + samples[w] / speeds[w]
+                ask_at[w] = now + comm + done[w] / speeds[w]
         for w in sorted(w for w, t in ask_at.items() if t <= now):
             del ask_at[w]
-            coord.ask(w, samples[w], comm + samples[w] / speeds[w], now)
+            compute = done[w] / speeds[w]
+            coord.ask(w, done[w], comm + compute, now, compute_s=compute)
         for w, answer in coord.poll(now):
             releases.append((w, now, answer))
             samples[w] = answer["batch"]
@@ -159,6 +165,24 @@ def test_batch_adaptation_converges_for_fixed_slowdowns():
     assert fixed.batch == [32] * 4                                  # adapt=0: batches kept
 
 
+def test_batch_adaptation_with_a_fixed_cost_and_short_batches():
+    """Communication as long as the computing (it does not shrink with the batch), and
+    every fifth batch an epoch's short remainder: the coordinator models each worker's
+    time as fixed + per sample x batch, so one round after the warm-up every full batch
+    is the one that equalizes iteration times, and stays so (a split by samples per
+    busy second would take rounds to get there, and jump after every short batch)."""
+    speeds, comm = [1000.0, 1000.0, 500.0, 1000.0], 0.03
+    coord, releases, _ = simulate(speeds, rounds=30, comm=comm, short=5)
+    exact = [128 * s / sum(speeds) for s in speeds]     # T - comm = 128 / sum(speeds)
+    after = releases[4 * (coord.policy.warmup + 2):]
+    assert all(abs(a["batch"] - exact[w]) <= 1 for w, _, a in after), \
+        [(w, a["batch"]) for w, _, a in after]
+    rounds = [after[i:i + 4] for i in range(0, len(after) - 3, 4)]
+    assert all(sum(a["batch"] for _, _, a in r) == 128 for r in rounds)
+    times = [comm + coord.batch[w] / speeds[w] for w in range(4)]
+    assert max(times) / min(times) < 1.02
+
+
 def test_batch_bounds_and_weights():
     coord, releases, _ = simulate([1000.0, 100.0], rounds=12, base=40,
                                   policy=R2SP(batch=(0.5, 1.5)))
@@ -168,11 +192,15 @@ def test_batch_bounds_and_weights():
 
 
 def test_split_sums_to_the_total_within_bounds():
-    assert split(100, [1, 1, 2], [1, 1, 1], [100, 100, 100]) == [25, 25, 50]
-    assert split(10, [1, 1, 1], [1, 1, 1], [10, 10, 10]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
-    out = split(90, [10, 1, 1], [10, 10, 10], [50, 50, 50])
+    zero = [0.0] * 3
+    assert split(100, zero, [1, 1, 0.5], [1, 1, 1], [100, 100, 100]) == [25, 25, 50]
+    assert split(10, zero, [1, 1, 1], [1, 1, 1], [10, 10, 10]) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+    out = split(90, zero, [0.1, 1, 1], [10, 10, 10], [50, 50, 50])
     assert out == [50, 20, 20]
-    assert sum(split(7, [3.3, 1.1], [1, 1], [7, 7])) == 7
+    assert sum(split(7, [0, 0], [0.3, 0.9], [1, 1], [7, 7])) == 7
+    # A fixed cost per iteration: equal times, not shares in proportion to speed.
+    out = split(120, [10.0, 10.0, 10.0], [1.0, 1.0, 2.0], [1] * 3, [120] * 3)
+    assert out == [48, 48, 24]                    # each iteration 58
 
 
 def test_one_worker_is_never_held():

@@ -309,10 +309,12 @@ def push_pull(keys, values, outs=None, weight: float = 1.0, turn=None):
                     turn)
 
 
-def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
+def turn(samples: int, busy_s: float = 0.0, wait: bool = True, compute_s: float = 0.0):
     """R²SP: wait for this worker's turn to push (see ``r2sp``). ``samples``: in the
     gradient to be pushed; ``busy_s``: how long this worker's last iteration took, less
-    its wait for the turn (periods and batch sizes follow it; 0 if unknown). Returns
+    its wait for the turn (periods and batch sizes follow it; 0 if unknown);
+    ``compute_s``: of that, the computing, which grows with the batch (the rest, the
+    communication, does not; 0 if unknown: all of ``busy_s`` is taken to grow). Returns
     ``{"weight": for that push, "batch": the next batch size, "period_s", "gap_s",
     "delay_s": the hold before pushing, "push_at": its end (time.monotonic()), "lost":
     turns this worker lost since its last one}`` once the hold is over: push right
@@ -328,7 +330,11 @@ def turn(samples: int, busy_s: float = 0.0, wait: bool = True):
                            f"(r2sp); this job runs {_state.policy}")
     if int(samples) != samples or samples < 0:
         raise ValueError(f"pycoll.ps.turn: samples must be an integer >= 0, got {samples!r}")
-    parts = client.control(wire.TURN, arg=int(samples), servers=[0], value=float(busy_s))
+    if not 0 <= compute_s <= busy_s:
+        raise ValueError(f"pycoll.ps.turn: compute_s ({compute_s!r}) must be between 0 and "
+                         f"busy_s ({busy_s!r}): it is the computing part of the busy time")
+    parts = client.control(wire.TURN, arg=int(samples), servers=[0], value=float(busy_s),
+                           value2=float(compute_s))
 
     def answer():
         got = json.loads(bytes(parts[0].data).decode())

@@ -51,14 +51,22 @@ at a time:
   worker posts a push's requests to the other servers before server 0's, and the next
   worker is released only once that one has reached server 0.
 - Heterogeneity (``adapt``). Each turn request reports the samples of the worker's last
-  iteration and how long it was busy (``busy_s``: computing and communicating, without
-  the wait for its turn); the coordinator keeps each worker's speed (samples per busy
-  second, smoothed) and, at the start of every round after the warm-up, splits the
-  global batch B (the sum of the workers' first batches) in proportion to speed, each
-  worker within ``batch`` times its first batch; the split sums to B every round. At
-  its fixed point every worker is busy for the same time per iteration, so the spacing
-  stays even. A push weighs ``samples * N / B`` (the server multiplies it by that and
-  by 1/N, as every ASP push), so a round of pushes moves the model by the
+  iteration, how long it was busy (``busy_s``: computing and communicating, without the
+  wait for its turn) and how much of that it computed (``compute_s``: from the
+  parameters in to the push handed over, the part that grows with the batch). The
+  coordinator models each worker's iteration as ``fixed + per_sample * batch``, each the
+  median of the worker's last ``MODEL_REPORTS`` (busy less computing; computing per
+  sample), and at the start of every round after the warm-up splits the global batch B
+  (the sum of the workers' first batches) so that every modelled iteration takes the
+  same time, each worker within ``batch`` times its first batch; the split sums to B
+  every round. A split by samples per busy second (what this did before) has the same
+  end point, but closes only the computing's share of the difference each round, as the
+  communication does not shrink with the batch, and an epoch's short last batch, few
+  samples per busy second for the same reason, shrank the worker's next batch: 1.10x
+  between busy times with a worker slowed 2x in bench/ps_training.py, 1.01x with the
+  model, which is there a round after the warm-up (medians: short batches and stalls
+  do not move it). A push weighs ``samples * N / B`` (the server multiplies it by that
+  and by 1/N, as every ASP push), so a round of pushes moves the model by the
   sample-weighted mean gradient: that of one batch of B samples.
 
 Our reading of the paper and of the authors' TensorFlow prototype (read, not copied):
@@ -67,8 +75,8 @@ theirs; the paper's worker i communicating at offset i T/N is what the slots hol
 (the prototype spaces releases, not pushes, so a push late after its release overlaps
 the next: 1.35-1.5 pushes in flight here before the slots). The start line, the slots
 chained on pushes' arrival with the hold, the patience and the error for a missing
-worker are ours (their prototype waits for ever), and so are the batch split by
-measured speed (the paper tunes batch sizes to speed; the prototype's hook grows a
+worker are ours (their prototype waits for ever), and so are the batch split by a
+measured time model (the paper tunes batch sizes to speed; the prototype's hook grows a
 batch by its blocked time) and the sample weights.
 """
 import collections
@@ -80,7 +88,7 @@ from typing import Dict, List, Optional
 from .. import timeline
 from .policy import Policy
 
-SPEED_SMOOTHING = 0.3        # weight of the newest report in a worker's speed
+MODEL_REPORTS = 9    # a worker's time model: medians of its last reports (odd: a report's)
 
 
 class R2SP(Policy):
@@ -89,7 +97,7 @@ class R2SP(Policy):
     ``safety``: gap (the least spacing of pushes) = period / (safety * N), >= 1 so that
     the gate never stretches the period. ``patience``: the most a worker waits for its
     turn, in periods. ``warmup``: rounds before the gap and batch adaptation start.
-    ``adapt``: split the global batch by speed. ``batch``: (low, high), a worker's batch
+    ``adapt``: split the global batch so that iterations take the same time. ``batch``: (low, high), a worker's batch
     stays within these multiples of its first one. ``window``: periods are measured over
     the last ``window * N`` requests."""
     name = "r2sp"
@@ -144,13 +152,17 @@ class R2SP(Policy):
         return self.name
 
 
-def split(total: int, speeds: List[float], low: List[int], high: List[int]) -> List[int]:
-    """``total`` samples split in proportion to ``speeds``, each share within
-    ``[low[i], high[i]]``, as integers summing to ``total`` (if the bounds allow it)."""
-    def shares(scale):
-        return [min(max(scale * s, lo), hi) for s, lo, hi in zip(speeds, low, high)]
-    below, above = 0.0, max(hi / s for s, hi in zip(speeds, high))
-    for _ in range(100):                          # the scale whose clamped shares sum to total
+def split(total: int, fixed: List[float], per_sample: List[float], low: List[int],
+          high: List[int]) -> List[int]:
+    """``total`` samples split so that every worker's iteration, ``fixed[i] +
+    per_sample[i] * share``, takes the same time, each share within ``[low[i], high[i]]``,
+    as integers summing to ``total`` (if the bounds allow it)."""
+    def shares(time):
+        return [min(max((time - a) / b, lo), hi)
+                for a, b, lo, hi in zip(fixed, per_sample, low, high)]
+    below = min(fixed)
+    above = max(a + b * hi for a, b, hi in zip(fixed, per_sample, high))
+    for _ in range(100):                          # the time whose clamped shares sum to total
         middle = (below + above) / 2
         below, above = (middle, above) if sum(shares(middle)) < total else (below, middle)
     exact = shares(above)
@@ -182,7 +194,10 @@ class Coordinator:
         self.samples = [0] * workers             # in the gradient each is about to push
         self.base = [0] * workers                # each worker's first batch
         self.batch = [0] * workers               # the batch each was last told to use
-        self.speed = [0.0] * workers             # samples / s, smoothed
+        # Each worker's time per iteration as fixed + per_sample * batch: its recent
+        # communicating (busy less computing) and computing per sample.
+        self.fixed = [collections.deque(maxlen=MODEL_REPORTS) for _ in range(workers)]
+        self.per_sample = [collections.deque(maxlen=MODEL_REPORTS) for _ in range(workers)]
         self.reports = [0] * workers
         self.plan: Optional[List[int]] = None
         self.rounds = self.out_of_turn = 0
@@ -209,9 +224,12 @@ class Coordinator:
         self.latencies = collections.deque(maxlen=self.RECENT)   # release -> push, less hold
 
     # ------------------------------------------------------------ requests
-    def ask(self, worker: int, samples: int, busy_s: float, now: float) -> None:
+    def ask(self, worker: int, samples: int, busy_s: float, now: float,
+            compute_s: float = 0.0) -> None:
         """``worker`` wants to push; its last iteration took ``samples`` and was busy
-        (computing and communicating, not waiting for a turn) ``busy_s`` (0: unknown).
+        (computing and communicating, not waiting for a turn) ``busy_s`` (0: unknown),
+        of which it computed ``compute_s`` (0: unknown, all of ``busy_s`` grows with the
+        batch).
         The push weighs ``samples``' share (``Pacer`` scales it to the samples it sends)."""
         if samples < 1:
             raise ValueError(f"worker {worker}'s turn request says its gradient holds {samples} "
@@ -225,9 +243,9 @@ class Coordinator:
         if self.reports[worker] and busy_s > 0:      # the first is warm-up, not speed
             self.work[worker].append(busy_s)
             self.periods.append(busy_s)
-            speed = samples / busy_s
-            old = self.speed[worker]
-            self.speed[worker] = speed if not old else old + SPEED_SMOOTHING * (speed - old)
+            compute_s = compute_s if 0 < compute_s <= busy_s else busy_s
+            self.fixed[worker].append(busy_s - compute_s)
+            self.per_sample[worker].append(compute_s / samples)
         self.reports[worker] += 1
         self.active[worker], self.missed[worker] = True, 0     # back in the ring
         self.unpushed.discard(worker)            # its push, if any, is done
@@ -381,13 +399,16 @@ class Coordinator:
                             gap_s=gap, delay_s=self.delay[worker], lost=lost)
 
     def _plan(self) -> None:
-        """This round's batch sizes: the global batch split by speed (after the warm-up)."""
+        """This round's batch sizes (after the warm-up): the global batch split so that
+        every worker's modelled iteration takes the same time."""
         ready = [w for w in range(self.n) if self.active[w]]
         if not self.policy.adapt or self.rounds <= self.policy.warmup or \
-                any(self.speed[w] <= 0 for w in ready):
+                not all(self.per_sample[w] for w in ready):
             return
         low, high = self.policy.batch
-        sizes = split(sum(self.base[w] for w in ready), [self.speed[w] for w in ready],
+        sizes = split(sum(self.base[w] for w in ready),
+                      [statistics.median(self.fixed[w]) for w in ready],
+                      [statistics.median(self.per_sample[w]) for w in ready],
                       [max(1, math.ceil(low * self.base[w])) for w in ready],
                       [max(1, math.floor(high * self.base[w])) for w in ready])
         self.plan = list(self.batch)
@@ -405,7 +426,8 @@ class Coordinator:
                           longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
                           batch=self.batch[w], first_batch=self.base[w],
                           mean_batch=self.batches[w] / max(1, self.turns[w]),
-                          speed=self.speed[w], work_s=median(self.work[w]),
+                          fixed_s=median(self.fixed[w]),
+                          per_sample_s=median(self.per_sample[w]), work_s=median(self.work[w]),
                           iteration_s=median(self.iteration[w])) for w in range(self.n)],
             recent_releases=[list(entry) for entry in self.log])
 
@@ -426,6 +448,7 @@ class Pacer:
         self.batch_size = int(batch_size)
         self.began: Optional[float] = None       # when this iteration began
         self.busy = self.handed = 0.0            # the last one's busy time; push handed over
+        self.compute = 0.0                       # the last one's computing (start to hand-over)
         self.asking = None                       # this iteration's turn, asked for
         self.granted = None                      # the last one's, its push handed over
         self.asked = self.done = 0               # samples reported; in the last push
@@ -440,8 +463,9 @@ class Pacer:
             held = self.granted.held(self.handed)
             timeline.interval("turn wait", "ps", self.handed, self.handed + held, reason="turn")
             self.busy, self.granted = now - self.began - held, None
+            self.compute = min(self.handed - self.began, self.busy)
         self.began, self.asked = now, self.done or self.batch_size
-        self.asking = turn(self.asked, self.busy, wait=False)
+        self.asking = turn(self.asked, self.busy, wait=False, compute_s=self.compute)
 
     def turn(self, samples: Optional[int] = None):
         """(the turn, the weight of its push relative to the turn's); ``samples``: in the

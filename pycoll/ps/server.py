@@ -387,7 +387,8 @@ class Server:
                 self._reply(answered, wire.OK, b"{}")
         else:
             try:
-                self.coordinator.ask(call.worker, call.req.arg, call.req.value, call.since)
+                self.coordinator.ask(call.worker, call.req.arg, call.req.value, call.since,
+                                     compute_s=call.req.value2)
             except ValueError as err:
                 raise _ClientError(str(err)) from None
             self.turns[call.worker] = call

@@ -2,8 +2,8 @@
 
 A request is one binary message on ``REQUEST``: a fixed header (``HEADER``: magic,
 protocol version, op, tag slot, request id, an int argument, the seconds a pull has
-waited, key count, payload message count and bytes, a float argument and the time the
-worker sent it by its own clock), then one ``ENTRY`` per key range (dtype code, name
+waited, key count, payload message count and bytes, two float arguments and the time
+the worker sent it by its own clock), then one ``ENTRY`` per key range (dtype code, name
 length, the key's element count, the range's first and end element), then the names
 in UTF-8. Nothing is pickled: a server parses it with ``parse`` and checks every field
 before it touches parameters. INIT, PUSH and PUSH_PULL are followed by their payload
@@ -17,8 +17,9 @@ broken to name its slot is answered with a text on ``BAD``.
 
 The arguments: CHECKPOINT's int is the BSP cut; a push's float is its weight (the server
 multiplies the pushed values by it: 1 for a plain push); TURN (R²SP's gate, to server 0)
-carries the samples of the worker's last iteration (int) and the seconds it was busy
-(float), and is answered, when it is the worker's turn, with JSON: the weight of
+carries the samples of the worker's last iteration (int), the seconds it was busy and,
+of those, the seconds it computed (the part that grows with the batch; floats), and is
+answered, when it is the worker's turn, with JSON: the weight of
 that push and the worker's next batch size (``r2sp``).
 
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
@@ -40,7 +41,7 @@ import numpy as np
 
 from .. import tensors
 
-MAGIC, VERSION = b"PCPS", 2
+MAGIC, VERSION = b"PCPS", 3
 REQUEST, BAD = 1, 2
 TAG_BASE, TAGS_PER_SLOT = 16, 4
 INIT, PUSH, PULL, PUSH_PULL, STATS, CHECKPOINT, DONE, TURN = range(1, 9)
@@ -51,8 +52,8 @@ OK, RETRY, ERROR = 0, 1, 2
 STATUS, CLOCK, MIN_CLOCK, NBYTES, LAGGARD, REQUEST_ID, SHARD_VERSION = range(7)
 META_LEN = 7
 # magic, version, op, slot, request id, arg (int), waited (s), keys, payload messages, bytes,
-# value (float), sent (the worker's time.monotonic())
-HEADER = struct.Struct("<4sHHIQqdIIQdd")
+# value (float), sent (the worker's time.monotonic()), value2 (float)
+HEADER = struct.Struct("<4sHHIQqdIIQddd")
 ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo", "<i8"),
                   ("hi", "<i8")])                       # packed: 27 bytes
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
@@ -98,6 +99,7 @@ class Request(NamedTuple):
     nbytes: int
     value: float         # a push's weight, a turn's busy seconds
     sent: float          # the worker's clock when it sent the request
+    value2: float        # a turn's computing seconds (of its busy ones)
 
 
 def encode_table(entries: Sequence[Entry]) -> bytes:
@@ -112,9 +114,9 @@ def encode_table(entries: Sequence[Entry]) -> bytes:
 
 def encode(op: int, slot: int, request: int, table: bytes = b"", nkeys: int = 0,
            arg: int = 0, waited: float = 0.0, npieces: int = 0, nbytes: int = 0,
-           value: float = 1.0, sent: float = 0.0) -> bytes:
+           value: float = 1.0, sent: float = 0.0, value2: float = 0.0) -> bytes:
     return HEADER.pack(MAGIC, VERSION, op, slot, request, arg, waited, nkeys, npieces,
-                       nbytes, value, sent) + table
+                       nbytes, value, sent, value2) + table
 
 
 def parse(raw, tag_ub: int) -> Request:
@@ -123,8 +125,8 @@ def parse(raw, tag_ub: int) -> Request:
     if len(raw) < HEADER.size:
         raise BadRequest(f"request of {len(raw)} bytes is shorter than the {HEADER.size}-byte "
                          "header (truncated or not a pycoll.ps request)")
-    magic, version, op, slot, request, arg, waited, nkeys, npieces, nbytes, value, sent = \
-        HEADER.unpack_from(raw)
+    magic, version, op, slot, request, arg, waited, nkeys, npieces, nbytes, value, sent, \
+        value2 = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise BadRequest(f"request starts with {magic!r}, not {MAGIC!r}: not a pycoll.ps request")
     if version != VERSION:
@@ -162,7 +164,7 @@ def parse(raw, tag_ub: int) -> Request:
                              f"{code}, range [{lo}:{hi}] of {count}: invalid", slot, request)
         entries.append(Entry(name, DTYPES[code], count, lo, hi))
     return Request(op, slot, request, arg, waited, tuple(entries), table, npieces, nbytes,
-                   value, sent)
+                   value, sent, value2)
 
 
 # ---------------------------------------------------------------- tags

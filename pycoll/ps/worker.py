@@ -57,9 +57,10 @@ class _Part:
     """One request to one server."""
 
     def __init__(self, server: int, op: int, table: bytes = b"", nkeys: int = 0, arg: int = 0,
-                 payload=None, pieces=(), into=None, value: float = 1.0):
+                 payload=None, pieces=(), into=None, value: float = 1.0, value2: float = 0.0):
         self.server, self.op, self.table, self.nkeys, self.arg = server, op, table, nkeys, arg
         self.value = value              # the header's float: a push's weight (wire)
+        self.value2 = value2            # the second: a turn's computing seconds
         self.payload = payload          # uint8 array sent after the header, or None
         self.pieces = pieces            # (first, end) bytes of each payload message
         self.nbytes = 0 if payload is None else payload.nbytes
@@ -195,10 +196,12 @@ class Client:
                 _C.unpack(staging.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
         return parts, unpack
 
-    def control(self, op: int, arg: int = 0, servers=None, value: float = 1.0) -> List[_Part]:
+    def control(self, op: int, arg: int = 0, servers=None, value: float = 1.0,
+                value2: float = 0.0) -> List[_Part]:
         """A keyless request (stats, checkpoint, done, turn) to each server."""
         servers = range(len(self.server_ranks)) if servers is None else servers
-        return [_Part(s, op, arg=arg(s) if callable(arg) else arg, value=value) for s in servers]
+        return [_Part(s, op, arg=arg(s) if callable(arg) else arg, value=value, value2=value2)
+                for s in servers]
 
     def submit(self, name: str, parts: List[_Part], finish=None, keep=None,
                gate=None) -> PSWork:
@@ -306,7 +309,7 @@ class Client:
         part.first_sent = part.first_sent or now
         header = wire.encode(part.op, part.slot, part.request_id, part.table, part.nkeys,
                              part.arg, now - part.first_sent, len(part.pieces), part.nbytes,
-                             part.value, now)
+                             part.value, now, part.value2)
         part.requests = [self.comm.Isend([header, MPI.BYTE], dest, wire.REQUEST)]
         part.header = header            # kept alive until the send completes
         if part.payload is not None:

@@ -119,6 +119,36 @@ def weighted(through="turns", rounds=5, n=1000):
           f"(batches 1..{size})", flush=True)
 
 
+def adapt(steps=40):
+    """Workers push through a ``Pacer``, as ``TorchWorker`` does (without torch, which
+    takes long to import on a loaded machine), with batch sizes adapted; worker 1
+    computes 2 ms a sample, the others 1 ms (sleeps), so the time model gives worker 1
+    about half the others' batch: the Pacer's computing seconds reach the coordinator."""
+    from pycoll.ps.r2sp import Pacer
+    ps.init(policy="r2sp")
+    rank, size = pycoll.rank(), pycoll.size()
+    w = np.zeros(1000)
+    ps.init_params({"w": w})
+    pacer = Pacer(16)
+    for _ in range(steps):
+        pacer.start()                            # the parameters are in: computing starts
+        n = pacer.batch_size
+        time.sleep((0.002 if rank == 1 else 0.001) * n)
+        turn, weight = pacer.turn(n)
+        ps.push_pull("w", np.ones_like(w), outs=w, weight=weight, turn=turn).wait()
+    pacer.start()                                # reports the last iteration
+    pycoll.barrier()                     # every worker is still in the ring
+    r2sp = ps.counters()["servers"][0]["r2sp"]
+    ps.turn(0)
+    batch = r2sp["plan"]                 # this round's split
+    per_sample = [w["per_sample_s"] for w in r2sp["workers"]]
+    others = [w for w in range(size) if w != 1]
+    assert sum(batch) == 16 * size, batch                   # the global batch is kept
+    assert batch[1] < 0.8 * min(batch[w] for w in others), batch      # about half
+    assert per_sample[1] > max(per_sample[w] for w in others), per_sample
+    print(f"worker {rank}: batches {batch} (worker 1 computes 2x slower)", flush=True)
+
+
 def dies(seconds=30):
     """Worker 1 stops (SIGSTOP: hung, never exits) right after its third turn is granted,
     before it pushes; the others' turns must end in an error naming it."""
@@ -140,4 +170,4 @@ def dies(seconds=30):
 
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
-    {"staleness": staleness, "weighted": weighted, "dies": dies}[mode](*args)
+    {"staleness": staleness, "weighted": weighted, "adapt": adapt, "dies": dies}[mode](*args)

@@ -1,7 +1,8 @@
 """R²SP: the coordinator's decisions in-process on a simulated clock (release order and
 spacing, patience, batch adaptation, weights, one worker); whole jobs through pycollrun
-for the N-1 staleness bound, sample-weighted updates and a worker that dies holding its
-turn (tests/r2sp_job.py holds the jobs)."""
+for the N-1 staleness bound, sample-weighted updates, batch sizes adapted from the
+Pacer's reports, one worker, and a worker that dies holding its turn (tests/r2sp_job.py
+holds the jobs), with PYCOLL_CHECK on and off."""
 import math
 
 import pytest
@@ -224,24 +225,31 @@ def test_sampler_follows_the_batch_size():
 
 
 # ---------------------------------------------------------------- whole jobs
-def job(np_, servers, *args, timeout_s=20, expect_ok=True):
-    return run_ps_job("r2sp_job.py", np_, servers, *args, timeout_s=timeout_s,
-                      expect_ok=expect_ok)
+def job(np_, servers, *args, check="1", timeout_s=20, expect_ok=True):
+    """``check``: PYCOLL_CHECK, "0" the default configuration users run."""
+    return run_ps_job("r2sp_job.py", np_, servers, *args, flags=("--check", check),
+                      timeout_s=timeout_s, expect_ok=expect_ok)
 
 
-def test_gradients_miss_at_most_n_minus_1_updates_and_turns_go_round_robin():
-    out = job(5, 2, "staleness", "r2sp:patience=3").stdout        # 3 workers, 2 servers
+@pytest.mark.parametrize("check", ["1", "0"])
+def test_gradients_miss_at_most_n_minus_1_updates_and_turns_go_round_robin(check):
+    out = job(5, 2, "staleness", "r2sp:patience=3", check=check).stdout   # 3 workers, 2 servers
     assert out.count("missed at most") == 3 and "release order round robin" in out, out
 
 
-@pytest.mark.parametrize("through", ["turns", "torch"])
-def test_sample_weighted_updates_equal_the_reference(through):
-    out = job(4, 1, "weighted", through).stdout
+@pytest.mark.parametrize("through, check", [("turns", "1"), ("torch", "0")])
+def test_sample_weighted_updates_equal_the_reference(through, check):
+    out = job(4, 1, "weighted", through, check=check).stdout
     assert out.count(f"sample-weighted updates through {through} match the reference") == 3, out
 
 
+def test_batch_sizes_follow_the_workers_computing_through_the_pacer():
+    out = job(4, 1, "adapt", check="0").stdout
+    assert out.count("(worker 1 computes 2x slower)") == 3, out
+
+
 def test_one_worker_trains_through_turns():
-    out = job(2, 1, "staleness", "r2sp").stdout
+    out = job(2, 1, "staleness", "r2sp", check="0").stdout
     assert "worker 0: r2sp missed at most 0 updates (N-1 = 0) in turns it did not lose; " \
         "turns 20" in out, out
 

@@ -421,7 +421,7 @@ class Coordinator:
         return dict(
             period_s=self.period(), gap_s=self.gap(), rounds=self.rounds,
             push_s=median(self.durations), lead_s=min(self.latencies, default=None),
-            out_of_turn=self.out_of_turn, global_batch=sum(self.base),
+            out_of_turn=self.out_of_turn, global_batch=sum(self.base), plan=self.plan,
             workers=[dict(worker=w, turns=self.turns[w], turn_wait_s=self.wait_s[w],
                           longest_wait_s=self.longest_wait[w], skipped=self.skipped[w],
                           batch=self.batch[w], first_batch=self.base[w],

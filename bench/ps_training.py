@@ -121,9 +121,10 @@ def main():
             print(f"  {'':<10} R²SP period {1e3 * (r2sp['period_s'] or 0):.1f} ms, gap "
                   f"{1e3 * gap:.1f} ms, push {1e3 * (r2sp['push_s'] or 0):.1f} ms, turn "
                   f"latency {1e3 * (r2sp['lead_s'] or 0):.1f} ms, out of turn "
-                  f"{r2sp['out_of_turn']}; per worker "
-                  "mean batch / turn wait per turn (ms): " + " ".join(
-                      f"{w['mean_batch']:.0f}/{1e3 * w['turn_wait_s'] / max(1, w['turns']):.1f}"
+                  f"{r2sp['out_of_turn']}; per worker mean batch / turn wait per turn / "
+                  "time model, fixed + per sample (ms): " + " ".join(
+                      f"{w['mean_batch']:.0f}/{1e3 * w['turn_wait_s'] / max(1, w['turns']):.1f}/"
+                      f"{1e3 * (w['fixed_s'] or 0):.1f}+{1e3 * (w['per_sample_s'] or 0):.3f}"
                       for w in r2sp["workers"]))
     by_name = {r["policy"]: r for r in rows}
     ssp, fluent = by_name.get("ssp:3"), by_name.get("fluentps:3")

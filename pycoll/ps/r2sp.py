@@ -59,13 +59,12 @@ at a time:
   sample), and at the start of every round after the warm-up splits the global batch B
   (the sum of the workers' first batches) so that every modelled iteration takes the
   same time, each worker within ``batch`` times its first batch; the split sums to B
-  every round. A split by samples per busy second (what this did before) has the same
-  end point, but closes only the computing's share of the difference each round, as the
-  communication does not shrink with the batch, and an epoch's short last batch, few
-  samples per busy second for the same reason, shrank the worker's next batch: 1.10x
-  between busy times with a worker slowed 2x in bench/ps_training.py, 1.01x with the
-  model, which is there a round after the warm-up (medians: short batches and stalls
-  do not move it). A push weighs ``samples * N / B`` (the server multiplies it by that
+  every round. Why a model and not a split by samples per busy second: that has the
+  same end point, but closes only the computing's share of the difference each round
+  (the communication does not shrink with the batch), and an epoch's short last batch,
+  few samples per busy second for the same reason, shrinks the worker's next batch;
+  the model is there a round after the warm-up, and its medians ignore short batches
+  and stalls (docs/benchmarks.md, "R²SP, batch sizes from a time model"). A push weighs ``samples * N / B`` (the server multiplies it by that
   and by 1/N, as every ASP push), so a round of pushes moves the model by the
   sample-weighted mean gradient: that of one batch of B samples.
 

@@ -300,7 +300,7 @@ def test_every_small_message_algorithm_vs_numpy(settings, pycoll_world, monkeypa
 
 
 def test_tags_stay_unique_when_both_paths_and_cached_groups_mix(settings, pycoll_world):
-    """400 random groups (the same list on every rank), each round taken by the compiled
+    """150 random groups (the same list on every rank), each round taken by the compiled
     entry (blocking numpy), the general path (async, torch) or a group's cached
     communicator (from its 3rd use), in any mix across members: every result is exact, and
     every pair of ranks has counted the same rounds on both ends."""
@@ -310,7 +310,7 @@ def test_tags_stay_unique_when_both_paths_and_cached_groups_mix(settings, pycoll
     rank, size = pycoll.rank(), pycoll.size()
     rng = np.random.default_rng(7)
     state = partial._state()
-    for r in range(400):
+    for r in range(150):
         k = int(rng.integers(min(2, size), size + 1))
         group = sorted(rng.choice(size, k, replace=False).tolist())
         n = int(rng.choice([1, 50, 700]))               # direct / doubling, and the ring

@@ -230,6 +230,8 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::vector<int> members;
     size_t me;
     if (!members_of(ranks, members, me)) Py_RETURN_NONE;
+    // Out of place the result is read, not x (which may be read-only): a GPU tensor is
+    // cloned here and again by the general path, a copy that path's staging dwarfs.
     Ref out(inplace ? Py_NewRef(x) : PyObject_CallOneArg(b.clone, x));
     Ref one(out ? PyList_New(1) : nullptr);
     if (one) PyList_SET_ITEM(one.get(), 0, Py_NewRef(out.get()));

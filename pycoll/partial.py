@@ -7,12 +7,14 @@ same ranks (in any order). Two paths:
 
 - Point-to-point, the default, in the compiled core (``_C.partial_allreduce``,
   csrc/partial.cpp) on pycoll's own duplicate of the world communicator, calling MPI's
-  non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
-  direct exchange (each member sends its tensor to every other: one latency); beyond, a
-  ring reduce-scatter then allgather in chunks of PYCOLL_CHUNK_BYTES (``tensors.pieces``),
-  reducing one chunk while the next arrives. Every member gets the same bits. (Where _C
-  has not found MPI, the same ring runs here in Python.) Under ``--link`` a round costs
-  the modelled time of that exchange, paced as collectives are (``emulation.timed``).
+  non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES one
+  latency-bound exchange: groups smaller than PYCOLL_PARTIAL_DOUBLING_FROM send their
+  tensor to every other member at once, larger ones use recursive doubling (log2 k steps,
+  one partner each). Beyond, a ring reduce-scatter then allgather in chunks of
+  PYCOLL_CHUNK_BYTES (``tensors.pieces``), reducing one chunk while the next arrives.
+  Every member gets the same bits. (Where _C has not found MPI, the same ring runs here in
+  Python.) Under ``--link`` a round costs the modelled time of that exchange, paced as
+  collectives are (``emulation.timed``).
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -25,6 +27,12 @@ no two rounds between a pair share a tag until the tag range (2^31 in Open MPI, 
 2^15 by the standard) has wrapped: a late message of a failed round never matches another
 round's receive, whatever the groups. (Ranks only ever match messages from a named
 source, so other pairs' tags do not matter.)
+
+A blocking call on a contiguous host tensor, made while the engine is idle and with
+checks, ``--link`` and the timeline off, is one compiled call (``_C.partial_now``,
+csrc/partial_now.cpp): it reads the tensor, counts the round in this module's own dicts
+(``_Cache``: uses, rounds per peer) by the same rules, and runs the exchange or the
+cached communicator's Allreduce without the GIL; anything else it leaves to ``_plan``.
 
 Partial all-reduces run on the engine in issue order, like every collective. Groups that
 share ranks must be issued in the same relative order on their common members (a group

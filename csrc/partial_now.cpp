@@ -242,9 +242,10 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     void* data = PyLong_AsVoidPtr(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 0), 0));
     const Py_ssize_t nbytes = PyLong_AsSsize_t(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 1), 0));
     if (!dtype || PyErr_Occurred()) return nullptr;
-    const Route* route = route_of(op, out.get(), dtype);
-    if (!route) return PyErr_Occurred() ? nullptr : none();
-    const size_t count = static_cast<size_t>(nbytes) / route->itemsize;
+    const Route* found = route_of(op, out.get(), dtype);
+    if (!found) return PyErr_Occurred() ? nullptr : none();
+    const Route route = *found;  // a copy: another thread may add routes while this one is in MPI
+    const size_t count = static_cast<size_t>(nbytes) / route.itemsize;
 
     Ref key(tuple_of(members));
     if (!key) return nullptr;
@@ -275,19 +276,19 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (j != me && !set_count(b.shared, peer, begun + 1)) return nullptr;
     }
     partial::Outcome outcome;
-    const double scale = route->average ? 1.0 / static_cast<double>(members.size()) : 1.0;
+    const double scale = route.average ? 1.0 / static_cast<double>(members.size()) : 1.0;
     if (cached) {
         int code;
         Py_BEGIN_ALLOW_THREADS
         code = mpi::allreduce(reinterpret_cast<const void*>(b.in_place), data, static_cast<int>(count),
-                              route->datatype, route->mpi_op, cached);
-        if (!code && scale != 1.0) cpu::scale(data, count, route->dt, scale);
+                              route.datatype, route.mpi_op, cached);
+        if (!code && scale != 1.0) cpu::scale(data, count, route.dt, scale);
         Py_END_ALLOW_THREADS
         if (code) outcome.status = partial::Outcome::Failed, outcome.error = code;
     } else {
         r.comm = b.comm, r.byte_type = b.byte_type, r.request_null = b.request_null, r.undefined = b.undefined;
         r.members = std::move(members);
-        r.me = me, r.data = data, r.count = count, r.dt = route->dt, r.op = route->reduce, r.scale = scale;
+        r.me = me, r.data = data, r.count = count, r.dt = route.dt, r.op = route.reduce, r.scale = scale;
         r.chunk_bytes = settings.chunk_bytes, r.direct_bytes = settings.direct_bytes;
         r.doubling_from = settings.doubling_from, r.timeout = settings.timeout, r.spin = b.spin;
         std::string refused;

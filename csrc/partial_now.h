@@ -6,9 +6,11 @@
 
 namespace pycoll::partial_now {
 
-// partial_bind(state, gate, handles, route, clone, failed): the per-world state that
-// pycoll.partial keeps (read and counted here too) and what the entry calls; given at
-// init. partial_bind(None): none (shutdown).
+// partial_bind(shared, uses, comms, broken, abandoned, gate, (comm, byte, request_null,
+// undefined, in_place), me, size, tag_ub, spin, route, clone, failed): the per-world state
+// that pycoll.partial keeps (read and counted here too), the engine's Gate and the
+// functions the entry calls; given when pycoll.partial first runs on a world.
+// partial_bind(None): none (pycoll.shutdown).
 PyObject* bind(PyObject*, PyObject* args);
 // partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout, spin):
 // given again whenever the settings change.

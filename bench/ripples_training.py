@@ -5,7 +5,8 @@
 Runs ``examples/ripples_digits.py --scheme all`` twice under pycollrun (every scheme with
 the same budget, model, data and emulated compute time per step): once with equal
 workers, once with ``--slowdown 3:4``. ``--link`` emulates that network; ``--hidden`` widens
-the MLP (75 x HIDDEN parameters: 65536 makes an 18.75 MiB model). Prints time to 90% test accuracy (mean of the
+the MLP (75 x HIDDEN parameters: 65536 makes an 18.75 MiB model), or ``--model-mb`` picks
+the width for a model of that many MiB. Prints time to 90% test accuracy (mean of the
 workers' own models), final accuracy (of the averaged model) and the speed-up of each
 scheme over AllReduce in the same scenario; plots accuracy against wall-clock time.
 """
@@ -38,9 +39,15 @@ def main():
     parser.add_argument("--group-size", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--hidden", type=int, default=64, help="the MLP's width (model size)")
+    parser.add_argument("--model-mb", type=float,
+                        help="instead of --hidden: the width that makes a model of this many MiB")
     parser.add_argument("--link", help="emulated network, pycollrun's --link (e.g. 50us,1.25GB/s)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ripples-training"))
     args = parser.parse_args()
+    if args.model_mb is not None:
+        if args.model_mb <= 0:
+            parser.error(f"--model-mb must be a positive number of MiB, got {args.model_mb:g}")
+        args.hidden = max(1, round((args.model_mb * 2**20 / 4 - 10) / 75))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -9,6 +9,12 @@
 // reduces the k buffers in member order (one latency instead of 2(k-1); the same bits
 // everywhere because every member combines in the same order).
 //
+// Recursive doubling, for small messages in groups of Round::doubling_from or more: log2(k)
+// exchanges with one partner each instead of k-1 messages to and from every member; the
+// members past the largest power of two m first hand their buffer to member p-m and get
+// the result back from it. A pair combines its lower member's value with its higher's,
+// in that order on both, so every member gets the same bits.
+//
 // Waiting: MPI_Testany in a loop that never sleeps while messages flow. Where each rank
 // has a core it spins for Round::spin after the last progress (a peer on another core
 // answers within it: yielding at once costs tens of us on a machine shared with other
@@ -110,8 +116,9 @@ class Exchange {
     Outcome run() {
         Outcome out;
         try {
-            if (r_.count * item_ <= r_.direct_bytes) direct();
-            else ring();
+            if (r_.count * item_ > r_.direct_bytes) ring();
+            else if (r_.members.size() < r_.doubling_from) direct();
+            else doubling();
         } catch (const Stop& stop) {
             out.status = stop.status, out.peer = stop.peer, out.error = stop.error;
             for (size_t i = 0; i < recvs_.size(); ++i)  // no late message may land in freed scratch
@@ -132,9 +139,10 @@ class Exchange {
         return i;
     }
 
-    void post_recv(void* buf, size_t nbytes, size_t j) {
-        check(mpi::irecv(buf, static_cast<int>(nbytes), r_.byte_type, peer(j), r_.tags[j], r_.comm,
-                         recvs_.at(recvs_.add())));
+    size_t post_recv(void* buf, size_t nbytes, size_t j) {
+        const size_t i = recvs_.add();
+        check(mpi::irecv(buf, static_cast<int>(nbytes), r_.byte_type, peer(j), r_.tags[j], r_.comm, recvs_.at(i)));
+        return i;
     }
 
     // The index among the receives posted since `first` of one that completed (waiting on `j`).
@@ -150,26 +158,18 @@ class Exchange {
         }
     }
 
-    void wait_send(size_t i, size_t j) {
+    // Until request i of `reqs` completes (waiting on member j).
+    void wait(mpi::Requests& reqs, size_t i, size_t j) {
         while (true) {
             int flag;
-            check(mpi::test(sends_.at(i), &flag));
-            if (flag) return patience_.progressed();
-            patience_.idle(peer(j));
-        }
-    }
-
-    void wait_recv(size_t i, size_t j) {
-        while (true) {
-            int flag;
-            check(mpi::test(recvs_.at(i), &flag));
+            check(mpi::test(reqs.at(i), &flag));
             if (flag) return patience_.progressed();
             patience_.idle(peer(j));
         }
     }
 
     void finish(size_t j) {
-        for (size_t i = 0; i < sends_.size(); ++i) wait_send(i, j);
+        for (size_t i = 0; i < sends_.size(); ++i) wait(sends_, i, j);
     }
 
     void direct() {
@@ -194,11 +194,45 @@ class Exchange {
         }
         for (size_t i = 0, j = 0; i < sends_.size(); ++i, ++j) {  // our buffer is read until they are done
             if (j == p) ++j;
-            wait_send(i, j);
+            wait(sends_, i, j);
         }
         char* acc = of(0);  // x0 op x1 op ... in member order on every member
         for (size_t j = 1; j < k; ++j) cpu::reduce(acc, of(j), r_.count, r_.dt, r_.op);
         if (acc != r_.data) std::memcpy(r_.data, acc, nbytes);
+        if (r_.scale != 1.0) cpu::scale(r_.data, r_.count, r_.dt, r_.scale);
+    }
+
+    // data = (lower member's) op (higher member's), with `scratch` holding member j's: the
+    // same operands in the same order on both members of a pair (min and max of a NaN
+    // depend on it).
+    void combine(char* scratch, size_t j) {
+        char* data = static_cast<char*>(r_.data);
+        if (r_.me < j) return cpu::reduce(data, scratch, r_.count, r_.dt, r_.op);
+        cpu::reduce(scratch, data, r_.count, r_.dt, r_.op);
+        std::memcpy(data, scratch, r_.count * item_);
+    }
+
+    void doubling() {
+        const size_t k = r_.members.size(), p = r_.me, nbytes = r_.count * item_;
+        size_t m = 1;  // the largest power of two <= k
+        while (2 * m <= k) m *= 2;
+        char* scratch = scratch_.take(nbytes);
+        if (p >= m) {  // past the power of two: member p - m reduces for it
+            wait(sends_, send(r_.data, nbytes, p - m), p - m);
+            wait(recvs_, post_recv(r_.data, nbytes, p - m), p - m);
+        } else {
+            if (p + m < k) {
+                wait(recvs_, post_recv(scratch, nbytes, p + m), p + m);
+                combine(scratch, p + m);
+            }
+            for (size_t d = 1; d < m; d *= 2) {
+                const size_t q = p ^ d, got = post_recv(scratch, nbytes, q), sent = send(r_.data, nbytes, q);
+                wait(recvs_, got, q);
+                wait(sends_, sent, q);  // before data changes
+                combine(scratch, q);
+            }
+            if (p + m < k) wait(sends_, send(r_.data, nbytes, p + m), p + m);
+        }
         if (r_.scale != 1.0) cpu::scale(r_.data, r_.count, r_.dt, r_.scale);
     }
 
@@ -232,14 +266,14 @@ class Exchange {
                 if (reduce) {
                     post_recv(scratch + (lo(b, c) - bounds[b]) * item_, nbytes, left);
                 } else {
-                    if (sent[b][c] != NONE) wait_send(sent[b][c], right);
+                    if (sent[b][c] != NONE) wait(sends_, sent[b][c], right);
                     post_recv(at(lo(b, c)), nbytes, left);
                 }
             }
             // In chunk order, not as they land: the right neighbour matches this step's
             // sends to its receives, all of one tag, in the order it posted them.
             for (size_t c = 0; c < n; ++c) {
-                wait_recv(first + c, left);
+                wait(recvs_, first + c, left);
                 if (reduce) {
                     const size_t m = hi(b, c) - lo(b, c);
                     cpu::reduce(at(lo(b, c)), scratch + (lo(b, c) - bounds[b]) * item_, m, r_.dt, r_.op);

@@ -1,6 +1,6 @@
 // Partial all-reduce among any members of a communicator, with no communicator of their
 // own (pycoll.partial): a chunked ring reduce-scatter + allgather, or for small messages a
-// direct exchange, over MPI's non-blocking point to point (mpi_calls). No Python here:
+// direct exchange (small groups) or recursive doubling, over MPI's non-blocking point to point (mpi_calls). No Python here:
 // bindings.cpp passes everything as arguments and releases the GIL.
 #pragma once
 
@@ -24,7 +24,8 @@ struct Round {
     Op op = Op::Sum;
     double scale = 1.0;        // applied once reduced (Average: 1 / members)
     size_t chunk_bytes = 1 << 18;  // the ring's message size
-    size_t direct_bytes = 0;       // at most this many bytes: the direct exchange
+    size_t direct_bytes = 0;       // at most this many bytes: the direct exchange, or
+    size_t doubling_from = 4;      // from this many members recursive doubling
     double timeout = 0;            // seconds the round may last
     double spin = 0;               // seconds a wait spins before yielding the core (0: ranks share cores)
 };

@@ -198,6 +198,10 @@ KNOBS = {k.name: k for k in (
     Knob("partial_direct_bytes", 65536, _number(int, 0, "a whole number of bytes >= 0"),
          "partial_allreduce: tensors up to this size go to every member at once (one latency) "
          "instead of around the ring"),
+    Knob("partial_doubling_from", 4, _number(int, 2, "a whole number of ranks >= 2"),
+         "partial_allreduce: groups of this many ranks or more exchange tensors up to "
+         "PYCOLL_PARTIAL_DIRECT_BYTES by recursive doubling (log2 of the group's steps, one "
+         "partner each) rather than all to all"),
 )}
 
 _overrides: dict = {}

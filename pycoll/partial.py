@@ -7,12 +7,14 @@ same ranks (in any order). Two paths:
 
 - Point-to-point, the default, in the compiled core (``_C.partial_allreduce``,
   csrc/partial.cpp) on pycoll's own duplicate of the world communicator, calling MPI's
-  non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES a
-  direct exchange (each member sends its tensor to every other: one latency); beyond, a
-  ring reduce-scatter then allgather in chunks of PYCOLL_CHUNK_BYTES (``tensors.pieces``),
-  reducing one chunk while the next arrives. Every member gets the same bits. (Where _C
-  has not found MPI, the same ring runs here in Python.) Under ``--link`` a round costs
-  the modelled time of that exchange, paced as collectives are (``emulation.timed``).
+  non-blocking sends and receives without the GIL. Up to PYCOLL_PARTIAL_DIRECT_BYTES one
+  latency-bound exchange: groups smaller than PYCOLL_PARTIAL_DOUBLING_FROM send their
+  tensor to every other member at once, larger ones use recursive doubling (log2 k steps,
+  one partner each). Beyond, a ring reduce-scatter then allgather in chunks of
+  PYCOLL_CHUNK_BYTES (``tensors.pieces``), reducing one chunk while the next arrives.
+  Every member gets the same bits. (Where _C has not found MPI, the same ring runs here in
+  Python.) Under ``--link`` a round costs the modelled time of that exchange, paced as
+  collectives are (``emulation.timed``).
 - A cached communicator: the ``PYCOLL_PARTIAL_CACHE_AFTER``-th use of a set of ranks
   creates a communicator for it (``MPI_Comm_create_group``, collective over the members
   only) and later uses run MPI's own Allreduce on it. Every member counts a group's uses
@@ -25,6 +27,12 @@ no two rounds between a pair share a tag until the tag range (2^31 in Open MPI, 
 2^15 by the standard) has wrapped: a late message of a failed round never matches another
 round's receive, whatever the groups. (Ranks only ever match messages from a named
 source, so other pairs' tags do not matter.)
+
+A blocking call on a contiguous host tensor, made while the engine is idle and with
+checks, ``--link`` and the timeline off, is one compiled call (``_C.partial_now``,
+csrc/partial_now.cpp): it reads the tensor, counts the round in this module's own dicts
+(``_Cache``: uses, rounds per peer) by the same rules, and runs the exchange or the
+cached communicator's Allreduce without the GIL; anything else it leaves to ``_plan``.
 
 Partial all-reduces run on the engine in issue order, like every collective. Groups that
 share ranks must be issued in the same relative order on their common members (a group
@@ -47,7 +55,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from . import _C, config, emulation, runtime, tensors
+from . import _C, config, emulation, runtime, tensors, timeline
 from .collectives import Average, check_reduction, message, mpi_op, reduce_op, staged
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
@@ -85,6 +93,11 @@ class _Cache:
         self.handles = (comm.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle, MPI.UNDEFINED)
         # Spin before yielding only where every rank here has a core of its own.
         self.spin = SPIN_S if runtime.local_size() <= (os.cpu_count() or 1) else 0.0
+        if self.compiled:                # the compiled entry counts in the same dicts
+            _C.partial_bind(self.shared, self.uses, self.comms, self.broken, _abandoned,
+                            runtime.engine().gate, self.handles + (int(MPI.IN_PLACE),),
+                            self.me, self.size, self.tag_ub, self.spin, _route, tensors.clone,
+                            _failed)
 
     def group(self, ranks) -> _Group:
         try:
@@ -163,13 +176,41 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
         "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
         tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes,
-        max(0.0, deadline - time.monotonic()), state.spin)
+        _settings.doubling_from, max(0.0, deadline - time.monotonic()), state.spin)
+    if status:
+        _raise_failure(group.members, state.me, name, keep, status, peer, error, sends)
+
+
+def _raise_failure(members, me, name, keep, status, peer, error, sends) -> None:
+    """A compiled round's failure (status 1: late waiting for rank ``peer``; 2: MPI's
+    ``error``) raised; ``sends`` that may still read ``keep``'s memory are kept."""
     if sends:
         _abandoned.append(([MPI.Request.fromhandle(h) for h in sends], keep))
     if status == 1:
-        raise CollectiveTimeout(_late(name, group.members, state.me, peer))
-    if status:
-        raise MPI.Exception(error)
+        raise CollectiveTimeout(_late(name, members, me, peer))
+    raise MPI.Exception(error)
+
+
+def _failed(members, name, keep, status, peer, error, sends) -> None:
+    """The compiled entry's failed round: raised, and the group broken here, as ``run``
+    in _plan does."""
+    state = _state()
+    try:
+        _raise_failure(members, state.me, name, keep, status, peer, error, sends)
+    except BaseException as failure:
+        state.broken[members] = f"{type(failure).__name__}: {failure}"
+        raise
+
+
+def _route(op, x) -> tuple:
+    """How the compiled entry reduces ``x`` by ``op``, asked once per op and dtype (raises
+    as _plan does): (MPI datatype and op handles, itemsize, average, dtype, the exchange's
+    op)."""
+    op, dtype = reduce_op(op), tensors.as_buffer(x).dtype
+    check_reduction(op, dtype)
+    datatype = message(0, 0, dtype)[2]               # what messages of this dtype carry
+    return (MPI._handleof(datatype), MPI._handleof(mpi_op(op, dtype)), tensors.ITEMSIZE[dtype],
+            op is Average, dtype, "sum" if op is Average else op.value)
 
 
 class _Ring:
@@ -302,6 +343,7 @@ class _Settings(NamedTuple):
     check: bool
     cache_after: int
     direct_bytes: int
+    doubling_from: int
     chunk_bytes: int
     timeout: float
     link: object
@@ -310,8 +352,12 @@ class _Settings(NamedTuple):
 def _read_settings() -> None:
     global _settings
     _settings = _Settings(config.get("check"), config.get("partial_cache_after"),
-                          config.get("partial_direct_bytes"), config.get("chunk_bytes"),
-                          config.get("timeout"), config.get("link"))
+                          config.get("partial_direct_bytes"), config.get("partial_doubling_from"),
+                          config.get("chunk_bytes"), config.get("timeout"), config.get("link"))
+    # The compiled entry: checks, link emulation and the timeline happen here only.
+    _C.partial_settings(not _settings.check and not _settings.link and not timeline.configured(),
+                        _settings.cache_after, _settings.direct_bytes, _settings.doubling_from,
+                        _settings.chunk_bytes, _settings.timeout)
 
 
 _settings: _Settings
@@ -381,12 +427,17 @@ def _plan(x, ranks, op, name, inplace):
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):
     """Reduce ``x`` over the world ranks ``ranks`` (called by those ranks only); a new tensor."""
+    out = _C.partial_now(x, False, ranks, op, name)
+    if out is not None:
+        return out
     name, run = _plan(x, ranks, op, name, inplace=False)
     return runtime.engine().run(run, name)
 
 
 def partial_allreduce_(x, ranks, op=Average, name: Optional[str] = None):
     """``partial_allreduce`` into ``x`` itself; returns ``x``."""
+    if _C.partial_now(x, True, ranks, op, name) is not None:
+        return x
     name, run = _plan(x, ranks, op, name, inplace=True)
     return runtime.engine().run(run, name)
 

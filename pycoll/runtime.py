@@ -131,6 +131,7 @@ def shutdown() -> None:
         return
     _state.engine.run(lambda: None, "shutdown")       # drain what is queued
     _C.short_path_bind(None)
+    _C.partial_bind(None)               # pycoll.partial's compiled entry: its comm is freed here
     _state.local_comm.Free()
     _state.p2p_comm.Free()
     _state.world.free()

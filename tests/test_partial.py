@@ -249,3 +249,86 @@ def test_one_piece_size_for_partial_rings_and_ps_payloads(settings):
     keys, items = [5000, 12, 3000], [4, 2, 8]
     assert wire.pieces(keys, items) == wire.pieces(keys, items, limit=1000)
     assert max(sum(hi - lo for _, lo, hi in m) for m in wire.pieces(keys, items)) == 1000
+
+
+ALGORITHMS = {                               # settings that make each exchange take the call
+    "direct": dict(partial_direct_bytes=1 << 20, partial_doubling_from=1 << 20),
+    "doubling": dict(partial_direct_bytes=1 << 20, partial_doubling_from=2),
+    "ring": dict(partial_direct_bytes=0, chunk_bytes=64),
+}
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["default", "checked"])
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_small_message_algorithm_vs_numpy(settings, pycoll_world, monkeypatch, algorithm,
+                                                check):
+    """Each exchange the size and group choose (direct, recursive doubling with and without
+    members past a power of two, ring) on every subset, odd sizes included: results match
+    numpy and are the same bits on every member. Unchecked, every blocking call on host
+    memory of a group of two or more is the compiled entry's (the Python planner is never
+    reached); checked, none is."""
+    from mpi4py import MPI
+    settings(check=check, partial_cache_after=0, **ALGORITHMS[algorithm])
+    planned = []
+    real_plan = partial._plan
+    monkeypatch.setattr(partial, "_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+    rank = pycoll.rank()
+    rng = np.random.default_rng(rank)
+    calls = {True: 0, False: 0}                 # by whether the compiled entry may take them
+    for ranks in subsets(pycoll.size()):
+        for n, dtype, op in [(1, "float64", "Average"), (5, "float32", "Sum"),
+                             (333, "float32", "Max"), (17, "int32", "Product"),
+                             (64, "float16", "Min")]:
+            x = (rng.standard_normal(n) * 4).astype(np_dtype(dtype))
+            y = None
+            if rank in ranks:
+                t = torch.from_numpy(x.copy())
+                y = pycoll.partial_allreduce(x, list(ranks), op=getattr(pycoll, op))
+                assert pycoll.partial_allreduce_(t, ranks, op=getattr(pycoll, op)) is t
+                np.testing.assert_array_equal(t.numpy(), y)       # torch in place, same bits
+                calls[len(ranks) > 1 and not check] += 2
+            xs, ys = zip(*MPI.COMM_WORLD.allgather((x, y)))
+            assert all(ys[r].tobytes() == ys[ranks[0]].tobytes() for r in ranks)
+            if y is not None:
+                want = {"Average": np.mean, "Sum": np.sum, "Max": np.max, "Min": np.min,
+                        "Product": np.prod}[op](np.stack([xs[r] for r in ranks]).astype(
+                            np.float64 if dtype.startswith("float") else x.dtype), 0)
+                tol = {"float16": 1e-3, "float32": 1e-5}.get(dtype, 1e-12)
+                np.testing.assert_allclose(y.astype(np.float64), want.astype(np.float64),
+                                           rtol=tol, atol=tol * 16)
+    assert len(planned) == calls[False] and (calls[True] > 0) == (not check and pycoll.size() > 1)
+
+
+def test_tags_stay_unique_when_both_paths_and_cached_groups_mix(settings, pycoll_world):
+    """150 random groups (the same list on every rank), each round taken by the compiled
+    entry (blocking numpy), the general path (async, torch) or a group's cached
+    communicator (from its 3rd use), in any mix across members: every result is exact, and
+    every pair of ranks has counted the same rounds on both ends."""
+    from mpi4py import MPI
+    settings(partial_cache_after=3, partial_direct_bytes=256, partial_doubling_from=3,
+             chunk_bytes=1024)
+    rank, size = pycoll.rank(), pycoll.size()
+    rng = np.random.default_rng(7)
+    state = partial._state()
+    for r in range(150):
+        k = int(rng.integers(min(2, size), size + 1))
+        group = sorted(rng.choice(size, k, replace=False).tolist())
+        n = int(rng.choice([1, 50, 700]))               # direct / doubling, and the ring
+        how = rng.integers(0, 2, size)                  # each member's own path
+        if rank not in group:
+            continue
+        want = sum(r * 16.0 + m for m in group)
+        if how[rank]:
+            x = np.full(n, r * 16.0 + rank)
+            np.testing.assert_array_equal(pycoll.partial_allreduce_(x, group, op=pycoll.Sum), want)
+        else:
+            work = pycoll.partial_allreduce_async(torch.full((n,), r * 16.0 + rank,
+                                                             dtype=torch.float64), group,
+                                                  op=pycoll.Sum)
+            torch.testing.assert_close(work.wait(timeout=60),
+                                       torch.full((n,), want, dtype=torch.float64))
+    everyone = MPI.COMM_WORLD.allgather({m: state.shared[m] for m in range(size)})
+    for a in range(size):
+        for b in range(size):
+            if a != b:
+                assert everyone[a][b] == everyone[b][a], (a, b)

@@ -1,0 +1,323 @@
+// partial_allreduce's blocking call in one compiled entry. A call on a contiguous host
+// tensor, with the engine idle and checks, link emulation and the timeline off, goes from
+// here straight into the exchange (partial.cpp) or the group's cached communicator,
+// without the GIL; in Python the same call cost about 5 us of planning, several times a
+// small exchange. Anything else returns None before a count changes, and the general path
+// in pycoll/partial.py runs it (and says what is wrong with bad arguments).
+//
+// One state: the counts that pycoll.partial keeps for every group (rounds begun with each
+// peer, which make the tags; uses of each group, which switch it to a cached communicator)
+// are its own Python dicts, bound once and counted here by the same rules.
+#include "partial_now.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dtypes.h"
+#include "kernels.h"
+#include "mpi_calls.h"
+#include "partial.h"
+#include "short_path.h"
+
+namespace pycoll::partial_now {
+namespace {
+
+// An owned reference, released when it goes out of scope.
+class Ref {
+   public:
+    explicit Ref(PyObject* p = nullptr) : p_(p) {}
+    Ref(const Ref&) = delete;
+    Ref& operator=(const Ref&) = delete;
+    ~Ref() { Py_XDECREF(p_); }
+    PyObject* get() const { return p_; }
+    PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
+    explicit operator bool() const { return p_ != nullptr; }
+
+   private:
+    PyObject* p_;
+};
+
+struct Bound {
+    PyObject *shared = nullptr, *uses = nullptr, *comms = nullptr, *broken = nullptr, *abandoned = nullptr;
+    PyObject *gate = nullptr, *route = nullptr, *clone = nullptr, *failed = nullptr;
+    intptr_t comm = 0, byte_type = 0, request_null = 0, in_place = 0;
+    int undefined = 0, me = 0, size = 0;
+    long long tag_ub = 0;
+    double spin = 0;
+} b;
+
+struct Settings {
+    bool enabled = false;  // off under PYCOLL_CHECK, --link and the timeline
+    long cache_after = 0;
+    size_t direct_bytes = 0, doubling_from = 4, chunk_bytes = 1;
+    double timeout = 0;
+} settings;
+
+// How (op, dtype) goes: pycoll.partial's route(op, x) once, kept here.
+struct Route {
+    PyObject* op;  // held
+    std::string dtype;
+    intptr_t datatype, mpi_op;
+    size_t itemsize;
+    bool average;
+    DType dt;
+    Op reduce;
+};
+std::vector<Route> routes;
+
+PyObject *s_claim, *s_release, *s_handle, *s_name;
+
+const Route* route_of(PyObject* op, PyObject* x, const char* dtype) {
+    for (const Route& r : routes)
+        if (r.op == op && r.dtype == dtype) return &r;
+    PyObject* args[] = {op, x};
+    Ref found(PyObject_Vectorcall(b.route, args, 2, nullptr));  // raises as the general path
+    if (!found) return nullptr;
+    PyObject *datatype, *mpi_op;
+    Py_ssize_t itemsize;
+    int average;
+    const char *name, *reduce;
+    if (!PyArg_ParseTuple(found.get(), "OOnpss:route's result", &datatype, &mpi_op, &itemsize, &average, &name,
+                          &reduce))
+        return nullptr;
+    Route r{Py_NewRef(op), dtype, 0, 0, static_cast<size_t>(itemsize), average != 0, DType::Float32, Op::Sum};
+    r.datatype = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(datatype));
+    r.mpi_op = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(mpi_op));
+    if (PyErr_Occurred()) return nullptr;
+    try {
+        r.dt = parse_dtype(name);
+        r.reduce = parse_op(reduce);
+    } catch (const std::invalid_argument& error) {
+        PyErr_SetString(PyExc_ValueError, error.what());
+        return nullptr;
+    }
+    if (routes.size() >= 64) {  // ops passed as fresh objects each call: start again
+        for (Route& old : routes) Py_DECREF(old.op);
+        routes.clear();
+    }
+    routes.push_back(r);
+    return &routes.back();
+}
+
+// ranks as sorted members; false (no error) for anything the general path should judge.
+bool members_of(PyObject* ranks, std::vector<int>& members, size_t& me) {
+    if (!PyList_CheckExact(ranks) && !PyTuple_CheckExact(ranks)) return false;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(ranks);
+    if (k < 2) return false;
+    members.resize(static_cast<size_t>(k));
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        PyObject* r = PySequence_Fast_GET_ITEM(ranks, i);
+        if (!PyLong_CheckExact(r)) return false;
+        const long v = PyLong_AsLong(r);
+        if (v < 0 || v >= b.size) return (PyErr_Clear(), false);
+        members[static_cast<size_t>(i)] = static_cast<int>(v);
+    }
+    std::sort(members.begin(), members.end());
+    if (std::adjacent_find(members.begin(), members.end()) != members.end()) return false;
+    const auto mine = std::find(members.begin(), members.end(), b.me);
+    me = static_cast<size_t>(mine - members.begin());
+    return mine != members.end();
+}
+
+PyObject* tuple_of(const std::vector<int>& members) {
+    PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(members.size()));
+    for (size_t i = 0; t && i < members.size(); ++i) {
+        PyObject* r = PyLong_FromLong(members[i]);
+        if (!r) {
+            Py_DECREF(t);
+            return nullptr;
+        }
+        PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), r);
+    }
+    return t;
+}
+
+// dict[key] as a count (0 when absent); -1 with an error.
+long long count_in(PyObject* dict, PyObject* key) {
+    PyObject* v = PyDict_GetItemWithError(dict, key);
+    if (!v) return PyErr_Occurred() ? -1 : 0;
+    return PyLong_AsLongLong(v);
+}
+
+bool set_count(PyObject* dict, PyObject* key, long long n) {
+    Ref v(PyLong_FromLongLong(n));
+    return v && PyDict_SetItem(dict, key, v.get()) == 0;
+}
+
+// The engine's token for this call, given back when it goes out of scope (an error already
+// raised stays raised).
+class Token {
+   public:
+    explicit Token(PyObject* name) {
+        Ref claimed(PyObject_CallMethodOneArg(b.gate, s_claim, name));
+        held_ = claimed.get() == Py_True;
+    }
+    Token(const Token&) = delete;
+    Token& operator=(const Token&) = delete;
+    ~Token() {
+        if (!held_) return;
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        Ref done(PyObject_CallMethodNoArgs(b.gate, s_release));
+        if (!done) PyErr_WriteUnraisable(b.gate);
+        PyErr_Restore(type, value, trace);
+    }
+    bool held() const { return held_; }
+
+   private:
+    bool held_ = false;
+};
+
+PyObject* none() { Py_RETURN_NONE; }
+
+void unbind() {
+    for (PyObject** held : {&b.shared, &b.uses, &b.comms, &b.broken, &b.abandoned, &b.gate, &b.route, &b.clone,
+                            &b.failed})
+        Py_CLEAR(*held);
+}
+
+}  // namespace
+
+PyObject* bind(PyObject*, PyObject* args) {
+    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None) {
+        unbind();
+        Py_RETURN_NONE;
+    }
+    Bound n;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O(nnnin)iiLdOOO:partial_bind", &PyDict_Type, &n.shared, &PyDict_Type,
+                          &n.uses, &PyDict_Type, &n.comms, &PyDict_Type, &n.broken, &PyList_Type, &n.abandoned,
+                          &n.gate, &n.comm, &n.byte_type, &n.request_null, &n.undefined, &n.in_place, &n.me, &n.size,
+                          &n.tag_ub, &n.spin, &n.route, &n.clone, &n.failed))
+        return nullptr;
+    if (!s_claim) {
+        s_claim = PyUnicode_InternFromString("claim");
+        s_release = PyUnicode_InternFromString("release");
+        s_handle = PyUnicode_InternFromString("handle");
+        s_name = PyUnicode_InternFromString("partial_allreduce");
+        if (!s_claim || !s_release || !s_handle || !s_name) return nullptr;
+    }
+    for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.gate, n.route, n.clone, n.failed})
+        Py_INCREF(held);
+    unbind();  // what was bound before
+    b = n;
+    Py_RETURN_NONE;
+}
+
+PyObject* configure(PyObject*, PyObject* args) {
+    int enabled;
+    Settings n;
+    if (!PyArg_ParseTuple(args, "plnnnd:partial_settings", &enabled, &n.cache_after, &n.direct_bytes,
+                          &n.doubling_from, &n.chunk_bytes, &n.timeout))
+        return nullptr;
+    n.enabled = enabled != 0;
+    settings = n;
+    Py_RETURN_NONE;
+}
+
+PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "partial_now(x, inplace, ranks, op, name) takes 5 arguments");
+        return nullptr;
+    }
+    PyObject *x = args[0], *ranks = args[2], *op = args[3], *name = args[4] == Py_None ? s_name : args[4];
+    const bool inplace = args[1] == Py_True;
+    // Failed rounds leave state (sends still reading, broken groups) the general path handles.
+    if (!settings.enabled || !b.gate || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken))
+        Py_RETURN_NONE;
+    std::vector<int> members;
+    size_t me;
+    if (!members_of(ranks, members, me)) Py_RETURN_NONE;
+    // Out of place the result is read, not x (which may be read-only): a GPU tensor is
+    // cloned here and again by the general path, a copy that path's staging dwarfs.
+    Ref out(inplace ? Py_NewRef(x) : PyObject_CallOneArg(b.clone, x));
+    Ref one(out ? PyList_New(1) : nullptr);
+    if (one) PyList_SET_ITEM(one.get(), 0, Py_NewRef(out.get()));
+    Ref read(one ? short_path::host_pointers(nullptr, one.get()) : nullptr);  // the one host-tensor reader
+    if (!read) return nullptr;
+    if (read.get() == Py_None) return read.release();  // GPU, strided, read-only: the general path's
+    const char* dtype = PyUnicode_AsUTF8(PyTuple_GET_ITEM(read.get(), 2));
+    void* data = PyLong_AsVoidPtr(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 0), 0));
+    const Py_ssize_t nbytes = PyLong_AsSsize_t(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 1), 0));
+    if (!dtype || PyErr_Occurred()) return nullptr;
+    const Route* found = route_of(op, out.get(), dtype);
+    if (!found) return PyErr_Occurred() ? nullptr : none();
+    const Route route = *found;  // a copy: another thread may add routes while this one is in MPI
+    const size_t count = static_cast<size_t>(nbytes) / route.itemsize;
+
+    Ref key(tuple_of(members));
+    if (!key) return nullptr;
+    const long long uses = count_in(b.uses, key.get()) + 1;
+    if (uses == 0) return nullptr;
+    intptr_t cached = 0;  // the group's communicator from its cache_after-th use
+    if (settings.cache_after && uses >= settings.cache_after) {
+        PyObject* comm = PyDict_GetItemWithError(b.comms, key.get());
+        if (!comm) return PyErr_Occurred() ? nullptr : none();  // the general path makes it
+        Ref handle(PyObject_GetAttr(comm, s_handle));
+        if (!handle) return nullptr;
+        cached = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(handle.get()));
+        if (PyErr_Occurred()) return nullptr;
+        if (count > INT32_MAX) Py_RETURN_NONE;
+    }
+    Token token(name);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
+
+    // Counted before anything can fail: every member counts every round issued to it.
+    if (!set_count(b.uses, key.get(), uses)) return nullptr;
+    partial::Round r;
+    r.tags.resize(members.size());
+    for (size_t j = 0; j < members.size(); ++j) {
+        PyObject* peer = PyTuple_GET_ITEM(key.get(), static_cast<Py_ssize_t>(j));
+        const long long begun = count_in(b.shared, peer);
+        if (begun < 0) return nullptr;
+        r.tags[j] = static_cast<int>(begun % (b.tag_ub + 1));
+        if (j != me && !set_count(b.shared, peer, begun + 1)) return nullptr;
+    }
+    partial::Outcome outcome;
+    const double scale = route.average ? 1.0 / static_cast<double>(members.size()) : 1.0;
+    if (cached) {
+        int code;
+        Py_BEGIN_ALLOW_THREADS
+        code = mpi::allreduce(reinterpret_cast<const void*>(b.in_place), data, static_cast<int>(count),
+                              route.datatype, route.mpi_op, cached);
+        if (!code && scale != 1.0) cpu::scale(data, count, route.dt, scale);
+        Py_END_ALLOW_THREADS
+        if (code) outcome.status = partial::Outcome::Failed, outcome.error = code;
+    } else {
+        r.comm = b.comm, r.byte_type = b.byte_type, r.request_null = b.request_null, r.undefined = b.undefined;
+        r.members = std::move(members);
+        r.me = me, r.data = data, r.count = count, r.dt = route.dt, r.op = route.reduce, r.scale = scale;
+        r.chunk_bytes = settings.chunk_bytes, r.direct_bytes = settings.direct_bytes;
+        r.doubling_from = settings.doubling_from, r.timeout = settings.timeout, r.spin = b.spin;
+        std::string refused;
+        bool invalid = false;
+        Py_BEGIN_ALLOW_THREADS
+        try {
+            outcome = partial::allreduce(r);
+        } catch (const std::exception& error) {
+            refused = error.what();
+            invalid = dynamic_cast<const std::invalid_argument*>(&error) != nullptr;  // settings out of range
+        }
+        Py_END_ALLOW_THREADS
+        if (!refused.empty()) {
+            PyErr_SetString(invalid ? PyExc_ValueError : PyExc_RuntimeError, refused.c_str());
+            return nullptr;
+        }
+    }
+    if (outcome.status == partial::Outcome::Done) return out.release();
+    Ref sends(PyList_New(static_cast<Py_ssize_t>(outcome.sends.size())));
+    for (size_t i = 0; sends && i < outcome.sends.size(); ++i) {
+        PyObject* h = PyLong_FromVoidPtr(reinterpret_cast<void*>(outcome.sends[i]));
+        if (!h) return nullptr;
+        PyList_SET_ITEM(sends.get(), static_cast<Py_ssize_t>(i), h);
+    }
+    if (!sends) return nullptr;
+    Ref raised(PyObject_CallFunction(b.failed, "OOOiiiO", key.get(), name, out.get(), static_cast<int>(outcome.status),
+                                     outcome.peer, outcome.error, sends.get()));
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "partial_allreduce failed");
+    return nullptr;
+}
+
+}  // namespace pycoll::partial_now

@@ -489,6 +489,29 @@ int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*
 
 PyObject* left(int read) { return read < 0 ? nullptr : none(); }
 
+// A tensor that reduce_scatter, allgather and alltoall cut into rows along dim 0, and the
+// group they run on.
+struct Rows {
+    Host in;
+    const Route* route = nullptr;
+    std::vector<int64_t> dims;
+    int64_t rows = 1;       // dim 0; a 0-d tensor is one row (allgather)
+    int64_t row_bytes = 0;  // from the shape, so that a tensor of 0 rows has it too
+    Target t;
+};
+
+// x read as Rows (op None: not reduced); 0 read, 1 the general path's (a 0-d x where
+// `need_dim0`), -1 error.
+int read_rows(PyObject* x, PyObject* op, PyObject* group, bool need_dim0, Rows& r) {
+    if (int read = read_routed(x, false, op, r.in, r.route)) return read;
+    if (!dims_of(x, r.dims)) return -1;
+    if (r.dims.empty() && need_dim0) return 1;  // the general path refuses it
+    const auto rest = r.dims.begin() + (r.dims.empty() ? 0 : 1);
+    r.rows = r.dims.empty() ? 1 : r.dims[0];
+    r.row_bytes = r.route->itemsize * std::accumulate(rest, r.dims.end(), int64_t{1}, std::multiplies<int64_t>());
+    return target_of(group, r.t) ? 0 : -1;
+}
+
 // Rows split as evenly as possible, the first ranks taking one more (collectives._split_rows).
 int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
 
@@ -654,43 +677,38 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     if (!takes(nargs, 5, "reduce_scatter_now(x, op, out, group, name)")) return nullptr;
     PyObject *x = args[0], *op = args[1], *given = args[2], *group = args[3], *name = args[4];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, op, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
-    if (dims.empty()) Py_RETURN_NONE;  // the general path refuses it
-    Target t;
-    if (!target_of(group, t)) return nullptr;
-    const int64_t rows = dims[0], count = in.nbytes / route->itemsize;
-    const int64_t row_count = rows ? count / rows : 0;
+    Rows a;
+    if (int read = read_rows(x, op, group, true, a)) return left(read);
+    const Target& t = a.t;
+    const Route& route = *a.route;
+    const int64_t row_count = a.row_bytes / route.itemsize;
     std::vector<int> counts(static_cast<size_t>(t.size));
     for (Py_ssize_t r = 0; r < t.size; ++r) {
-        const int64_t n = rows_of_rank(rows, t.size, r) * row_count;
+        const int64_t n = rows_of_rank(a.rows, t.size, r) * row_count;
         if (!fits(n)) Py_RETURN_NONE;
         counts[r] = static_cast<int>(n);
     }
     const int rank = rank_in(t);
     if (rank < 0 || rank >= t.size) Py_RETURN_NONE;
-    const int64_t mine = rows_of_rank(rows, t.size, rank);
+    const int64_t mine = rows_of_rank(a.rows, t.size, rank);
     Ref out;
     Host result;
     if (given == Py_None) {
-        out.reset(new_result(x, mine, dims, route->itemsize, result));
+        out.reset(new_result(x, mine, a.dims, route.itemsize, result));
         if (!out) return nullptr;
     } else {
-        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
-        if (result.nbytes != mine * row_count * route->itemsize) Py_RETURN_NONE;
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+        if (result.nbytes != mine * a.row_bytes) Py_RETURN_NONE;
         out.reset(Py_NewRef(given));
     }
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!without_gil([&] {
-            return mpi::reduce_scatter(in.ptr, result.ptr, counts.data(), route->datatype, route->op, t.comm);
+            return mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
-    scale(result.ptr, counts[rank], *route, t.size);
+    scale(result.ptr, counts[rank], route, t.size);
     return out.release();
 }
 
@@ -698,24 +716,17 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 4, "allgather_now(x, out, group, name)")) return nullptr;
     PyObject *x = args[0], *given = args[1], *group = args[2], *name = args[3];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
+    Rows a;
+    if (int read = read_rows(x, Py_None, group, false, a)) return left(read);
+    const Target& t = a.t;
     Host result;
     if (given != Py_None)
-        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
-    Target t;
-    if (!target_of(group, t)) return nullptr;
-    if (!fits(in.nbytes)) Py_RETURN_NONE;
-    const int64_t rows = dims.empty() ? 1 : dims[0];
-    const size_t rest = dims.empty() ? 0 : 1;
-    const int64_t row_bytes = rows ? in.nbytes / rows : route->itemsize *  // rows of 0: from the shape
-        std::accumulate(dims.begin() + static_cast<std::ptrdiff_t>(rest), dims.end(), int64_t{1},
-                        std::multiplies<int64_t>());
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+    if (!fits(a.in.nbytes)) Py_RETURN_NONE;
+    const size_t rest = a.dims.empty() ? 0 : 1;
     // What the general path exchanges too: rows, what a row is, out='s size (-1: none).
-    const int64_t meta[3] = {rows, static_cast<int64_t>(signature(route->name, dims.data() + rest, dims.size() - rest)),
+    const int64_t meta[3] = {a.rows,
+                             static_cast<int64_t>(signature(a.route->name, a.dims.data() + rest, a.dims.size() - rest)),
                              given == Py_None ? -1 : result.nbytes};
     std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
     Token token(name, s.allgather);
@@ -726,7 +737,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     int64_t total = 0, total_rows = 0;
     bool agreed = true;
     for (size_t r = 0; r < counts.size(); ++r) {
-        const int64_t nbytes = gathered[3 * r] * row_bytes;
+        const int64_t nbytes = gathered[3 * r] * a.row_bytes;
         agreed &= gathered[3 * r + 1] == meta[1] && fits(nbytes) && fits(total);
         counts[r] = static_cast<int>(nbytes);
         displs[r] = static_cast<int>(total);
@@ -748,14 +759,16 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Ref out;
     if (given == Py_None) {
-        out.reset(new_result(x, total_rows, dims.empty() ? std::vector<int64_t>{1} : dims, route->itemsize, result));
+        out.reset(new_result(x, total_rows, a.dims.empty() ? std::vector<int64_t>{1} : a.dims, a.route->itemsize,
+                             result));
         if (!out) return nullptr;
     } else {
         out.reset(Py_NewRef(given));
     }
-    const int nbytes = static_cast<int>(in.nbytes);
+    const int nbytes = static_cast<int>(a.in.nbytes);
     if (!without_gil([&] {
-            return mpi::allgatherv(in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte, t.comm);
+            return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte,
+                                   t.comm);
         }))
         return nullptr;
     ++runs;
@@ -786,18 +799,13 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 4, "alltoall_now(x, splits, group, name)")) return nullptr;
     PyObject *x = args[0], *splits = args[1], *group = args[2], *name = args[3];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
-    if (dims.empty() || !fits(in.nbytes)) Py_RETURN_NONE;  // the general path refuses or splits it
-    Target t;
-    if (!target_of(group, t)) return nullptr;
+    Rows a;
+    if (int read = read_rows(x, Py_None, group, true, a)) return left(read);
+    if (!fits(a.in.nbytes)) Py_RETURN_NONE;  // the general path refuses it
+    const Target& t = a.t;
+    const int64_t row_bytes = a.row_bytes;
     std::vector<int64_t> sent;
-    if (!parse_splits(splits, t.size, dims[0], sent)) Py_RETURN_NONE;
-    const int64_t row_bytes = route->itemsize * std::accumulate(dims.begin() + 1, dims.end(), int64_t{1},
-                                                                std::multiplies<int64_t>());
+    if (!parse_splits(splits, t.size, a.rows, sent)) Py_RETURN_NONE;
     Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
     Host got;
     if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
@@ -828,10 +836,10 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         recv_rows += recv_splits[r];
     }
     Host result;
-    Ref out(new_result(x, recv_rows, dims, route->itemsize, result));
+    Ref out(new_result(x, recv_rows, a.dims, a.route->itemsize, result));
     if (!out) return nullptr;
     if (!without_gil([&] {
-            return mpi::alltoallv(in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
+            return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
                                   rdispls.data(), fn.byte, t.comm);
         }))
         return nullptr;

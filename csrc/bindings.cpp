@@ -167,6 +167,10 @@ PYBIND11_MODULE(_C, m) {
         {"alltoall_now", FAST(short_path::alltoall_now), METH_FASTCALL,
          "alltoall_now(x, splits, group, name) -> (result, received splits): alltoall's short path (as "
          "allreduce_now's)."},
+        {"grouped_allreduce_now", FAST(short_path::grouped_allreduce_now), METH_FASTCALL,
+         "grouped_allreduce_now(xs, inplace, op, group, name): a blocking grouped allreduce of a list of host tensors "
+         "that fuse into one group, in one compiled pass (read, pack, MPI_Allreduce, unpack; views of one new buffer "
+         "out of place); the list of results, or None where the general path must run it."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
          "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
         {"host_pointers", short_path::host_pointers, METH_O,
@@ -184,11 +188,12 @@ PYBIND11_MODULE(_C, m) {
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
          "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
-         "mpi_error, in_place, byte, int64): what the *_now functions call and use (collectives.py passes them "
-         "once)."},
+         "views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
+         "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
-         "short_path_settings(enabled, max_bytes): whether the *_now functions run, and the largest tensor "
-         "allreduce_now takes."},
+         "short_path_settings(enabled, max_bytes, fusion_threshold): whether the *_now functions run, the largest "
+         "tensor allreduce_now takes (and grouped_allreduce_now's piece), the largest list grouped_allreduce_now "
+         "takes."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
          "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},

@@ -240,6 +240,12 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
     first = as_array(xs[0])
     itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
     flat = empty_like(first, (sum(sizes) // itemsize,))
+    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
+    return views_of(flat, xs), base
+
+
+def views_of(flat, xs) -> list:
+    """The one-dimensional ``flat`` cut, in order, into views shaped like each of ``xs``."""
     views: list = []
     start = 0
     for shape, run in itertools.groupby(x.shape for x in xs):
@@ -252,8 +258,7 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
         else:                           # numpy would give scalars, not 0-d arrays
             views.extend(block[i:i + 1].reshape(()) for i in range(count))
         start += count * extent
-    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
-    return views, base
+    return views
 
 
 def _has_buffer_protocol(x) -> bool:

@@ -127,10 +127,6 @@ class _Allreduce(NamedTuple):
     grp: runtime.Group
     name: str
 
-    @property
-    def key(self) -> tuple:
-        return self.src.dtype, self.src.device, self.op, id(self.grp.comm)
-
 
 def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
     return _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
@@ -605,9 +601,13 @@ def _submit(plan) -> Work:
     return runtime.engine().submit(thunk, name)
 
 
-def _submit_allreduce(item: _Allreduce) -> Work:
-    return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_queued,
-                                           item.name)
+def _submit_allreduce(x, op, group, name, inplace) -> Work:
+    """Plan an async allreduce and queue it, fusable with those of its key (dtype, device,
+    op, communicator). Inline: a step's every gradient takes this path."""
+    item = _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
+    src = item.src
+    return runtime.engine().submit_fusable((src.dtype, src.device, item.op, id(item.grp.comm)),
+                                           src.nbytes, item, _allreduce_queued, item.name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
@@ -631,11 +631,11 @@ def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
 
 def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
     """Start an allreduce; consecutive async allreduces are fused (PYCOLL_FUSION_THRESHOLD)."""
-    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=False))
+    return _submit_allreduce(x, op, group, name, False)
 
 
 def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=True))
+    return _submit_allreduce(x, op, group, name, True)
 
 
 def flush() -> None:

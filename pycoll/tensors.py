@@ -274,11 +274,15 @@ def as_array(x):
     return x if hasattr(x, "dtype") or not _has_buffer_protocol(x) else np.asarray(memoryview(x))
 
 
-# numpy asks the kernel for huge pages (madvise) for arrays this large, torch's CPU
-# allocator does not: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms from
-# numpy and 50-56 ms from torch.empty, nearly all of it page faults. Large torch outputs
-# are therefore numpy memory seen as a tensor.
+# Host results this large live in _C.host_block's memory: huge pages (torch's CPU
+# allocator asks for none: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms
+# from numpy and 50-56 ms from torch.empty, nearly all of it page faults), and the memory
+# of a result that died is reused by the next, with no pages to zero and map again.
 HUGE_PAGED = 4 * 2**20
+
+
+def _host_block(nbytes: int) -> np.ndarray:
+    return np.frombuffer(_C.host_block(nbytes), np.uint8)
 
 
 def empty_like(x, shape):
@@ -288,9 +292,12 @@ def empty_like(x, shape):
         nbytes = math.prod(shape) * x.element_size()
         if x.is_cpu and nbytes >= HUGE_PAGED:
             torch = sys.modules["torch"]
-            return torch.from_numpy(np.empty(nbytes, np.uint8)).view(x.dtype).view(tuple(shape))
+            return torch.from_numpy(_host_block(nbytes)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))
     if isinstance(x, np.ndarray):
+        nbytes = math.prod(shape) * x.itemsize
+        if nbytes >= HUGE_PAGED:
+            return _host_block(nbytes).view(x.dtype).reshape(tuple(shape))
         return np.empty(tuple(shape), dtype=x.dtype)
     module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes
     return module.empty(tuple(shape), dtype=x.dtype)

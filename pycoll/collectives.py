@@ -647,12 +647,12 @@ def grouped_allreduce(xs, op=Average, group=None, name: Optional[str] = None) ->
     """Allreduce a list of tensors in one fused call per dtype; new tensors (views of one
     new buffer where the list was read in one pass)."""
     got = _C.grouped_allreduce_now(xs, False, op, group, name)
-    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, inplace=False))
+    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, False))
 
 
 def grouped_allreduce_(xs, op=Average, group=None, name: Optional[str] = None) -> list:
     got = _C.grouped_allreduce_now(xs, True, op, group, name)
-    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, inplace=True))
+    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, True))
 
 
 def grouped_allreduce_async(xs, op=Average, group=None, name: Optional[str] = None) -> Work:

@@ -231,7 +231,8 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
         assert type(y) is type(xs[0]) and tuple(y.shape) == s and y.dtype == xs[0].dtype
         np.testing.assert_allclose(np.asarray(y), np.asarray(w, np.float32), rtol=1e-6)
     if not inplace:
-        owner = (lambda y: y.untyped_storage().data_ptr()) if kind == "torch" else (lambda y: id(y.base))
+        owner = ((lambda y: y.untyped_storage().data_ptr()) if kind == "torch"
+                 else (lambda y: id(y.base)))
         assert len({owner(y) for y in ys}) == 1
 
 

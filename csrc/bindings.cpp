@@ -3,6 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -136,6 +140,91 @@ PyObject* partial_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     return Py_BuildValue("(iiiN)", static_cast<int>(out.status), out.peer, out.error, sends);
 }
 
+// ---- large host results, kept for reuse
+// A fresh result of many MiB is zeroed and mapped by the kernel page by page as MPI first
+// writes it (a 64 MiB alltoall result, each call, where mpi4py reuses its buffer). A
+// HostBlock's memory goes back to a small pool when the block dies, that is when the last
+// array or tensor on it does (they keep it as their base, through any views), and the next
+// result of about that size takes it: pages already mapped, nothing to zero.
+constexpr size_t kHuge = size_t{2} << 20;  // transparent huge page size: fewer faults
+constexpr size_t kKept = 2;                // blocks the pool keeps (a result and the next)
+
+struct Kept {
+    void* ptr;
+    size_t capacity;
+};
+std::vector<Kept> pool;  // changed with the GIL held only
+
+struct HostBlock {
+    PyObject_HEAD
+    void* ptr;
+    size_t capacity;  // what ptr holds
+    Py_ssize_t nbytes;  // what the block exports
+};
+
+void block_dealloc(PyObject* self) {
+    auto* b = reinterpret_cast<HostBlock*>(self);
+    if (b->ptr) {
+        if (pool.size() == kKept) {  // keep the newest: the loop that freed it runs again
+            std::free(pool.front().ptr);
+            pool.erase(pool.begin());
+        }
+        pool.push_back({b->ptr, b->capacity});
+    }
+    Py_TYPE(self)->tp_free(self);
+}
+
+int block_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    auto* b = reinterpret_cast<HostBlock*>(self);
+    return PyBuffer_FillInfo(view, self, b->ptr, b->nbytes, 0, flags);
+}
+
+PyBufferProcs block_buffer = {block_getbuffer, nullptr};
+
+PyTypeObject block_type = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "pycoll._C.HostBlock";
+    t.tp_basicsize = sizeof(HostBlock);
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "host_block(nbytes)'s memory, writable through the buffer protocol; back to the pool when it dies.";
+    t.tp_dealloc = block_dealloc;
+    t.tp_as_buffer = &block_buffer;
+    return t;
+}();
+
+PyObject* host_block(PyObject*, PyObject* arg) {
+    const Py_ssize_t nbytes = PyLong_AsSsize_t(arg);
+    if (nbytes < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "host_block(nbytes) takes nbytes >= 0");
+        return nullptr;
+    }
+    const size_t want = static_cast<size_t>(nbytes);
+    void* ptr = nullptr;
+    size_t capacity = 0;
+    for (size_t i = 0; i < pool.size(); ++i)
+        if (pool[i].capacity >= want && pool[i].capacity / 2 <= want) {  // no more than twice the size
+            ptr = pool[i].ptr;
+            capacity = pool[i].capacity;
+            pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+            break;
+        }
+    if (!ptr) {
+        capacity = std::max(kHuge, (want + kHuge - 1) / kHuge * kHuge);
+        ptr = std::aligned_alloc(kHuge, capacity);
+        if (!ptr) return PyErr_NoMemory();
+        madvise(ptr, capacity, MADV_HUGEPAGE);  // a hint: ignored where huge pages are off
+    }
+    auto* b = PyObject_New(HostBlock, &block_type);
+    if (!b) {
+        std::free(ptr);
+        return nullptr;
+    }
+    b->ptr = ptr;
+    b->capacity = capacity;
+    b->nbytes = nbytes;
+    return reinterpret_cast<PyObject*>(b);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -169,6 +258,13 @@ PYBIND11_MODULE(_C, m) {
         {"alltoall_now", FAST(short_path::alltoall_now), METH_FASTCALL,
          "alltoall_now(x, splits, group, name) -> (result, received splits): alltoall's short path (as "
          "allreduce_now's)."},
+        {"grouped_allreduce_now", FAST(short_path::grouped_allreduce_now), METH_FASTCALL,
+         "grouped_allreduce_now(xs, inplace, op, group, name): a blocking grouped allreduce of a list of host tensors "
+         "that fuse into one group, in one compiled pass (read, pack, MPI_Allreduce, unpack; views of one new buffer "
+         "out of place); the list of results, or None where the general path must run it."},
+        {"host_block", host_block, METH_O,
+         "host_block(nbytes) -> a HostBlock: uninitialized host memory on huge pages, exported through the buffer "
+         "protocol; its memory is reused by a later block once it dies (large results, tensors.empty_like)."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
          "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
         {"host_pointers", short_path::host_pointers, METH_O,
@@ -197,16 +293,17 @@ PYBIND11_MODULE(_C, m) {
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
          "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
-         "mpi_error, in_place, byte, int64): what the *_now functions call and use (collectives.py passes them "
-         "once)."},
+         "views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
+         "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
-         "short_path_settings(enabled, max_bytes): whether the *_now functions run, and the largest tensor "
-         "allreduce_now takes."},
+         "short_path_settings(enabled, max_bytes, fusion_threshold): whether the *_now functions run, the largest "
+         "tensor allreduce_now takes (and grouped_allreduce_now's piece), the largest list grouped_allreduce_now "
+         "takes."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
          "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},
     };
-    if (!short_path::init(m.ptr())) throw py::error_already_set();
+    if (!short_path::init(m.ptr()) || PyType_Ready(&block_type) < 0) throw py::error_already_set();
     for (auto& def : fast) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
     m.def(
         "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },

@@ -194,6 +194,9 @@ struct Functions {
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* gather_failed = nullptr;  // gather_failed(x, out, group, name, meta): raises what is wrong
+    PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
+    PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
+    Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
     PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
     intptr_t in_place = 0;            // MPI_IN_PLACE
     intptr_t byte = 0, int64 = 0;     // MPI_BYTE, MPI_INT64_T
@@ -205,6 +208,7 @@ struct Functions {
 struct Settings {
     bool enabled = false;    // PYCOLL_CHECK and the like turn it off
     Py_ssize_t max_bytes = 0;  // larger allreduces go in pieces (PYCOLL_CHUNK_BYTES)
+    Py_ssize_t fusion_threshold = 0;  // a grouped allreduce this large is split in groups (PYCOLL_FUSION_THRESHOLD)
 } settings;
 
 struct World {
@@ -217,7 +221,7 @@ unsigned long long runs = 0;
 
 struct Names {
     PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
-    PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall;
+    PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
 } s;
 
 // How a dtype goes to MPI, and an op's reduction of it (op None: no reduction).
@@ -489,6 +493,29 @@ int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*
 
 PyObject* left(int read) { return read < 0 ? nullptr : none(); }
 
+// A tensor that reduce_scatter, allgather and alltoall cut into rows along dim 0, and the
+// group they run on.
+struct Rows {
+    Host in;
+    const Route* route = nullptr;
+    std::vector<int64_t> dims;
+    int64_t rows = 1;       // dim 0; a 0-d tensor is one row (allgather)
+    int64_t row_bytes = 0;  // from the shape, so that a tensor of 0 rows has it too
+    Target t;
+};
+
+// x read as Rows (op None: not reduced); 0 read, 1 the general path's (a 0-d x where
+// `need_dim0`), -1 error.
+int read_rows(PyObject* x, PyObject* op, PyObject* group, bool need_dim0, Rows& r) {
+    if (int read = read_routed(x, false, op, r.in, r.route)) return read;
+    if (!dims_of(x, r.dims)) return -1;
+    if (r.dims.empty() && need_dim0) return 1;  // the general path refuses it
+    const auto rest = r.dims.begin() + (r.dims.empty() ? 0 : 1);
+    r.rows = r.dims.empty() ? 1 : r.dims[0];
+    r.row_bytes = r.route->itemsize * std::accumulate(rest, r.dims.end(), int64_t{1}, std::multiplies<int64_t>());
+    return target_of(group, r.t) ? 0 : -1;
+}
+
 // Rows split as evenly as possible, the first ranks taking one more (collectives._split_rows).
 int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
 
@@ -500,6 +527,7 @@ bool init(PyObject* module) {
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
+        {&s.grouped_allreduce, "grouped_allreduce"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
@@ -509,18 +537,19 @@ bool init(PyObject* module) {
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
-                                     "new_counts", "gather_failed", "mpi_error", "in_place", "byte", "int64", nullptr};
+                                     "new_counts", "gather_failed", "views", "staging", "alone_bytes", "mpi_error",
+                                     "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOnOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.mpi_error, &f.in_place,
-                                     &f.byte, &f.int64))
+                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.views, &f.staging,
+                                     &f.alone_bytes, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
     if (!f.kinds || !f.routes) return nullptr;
     for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.new_counts,
-                           f.gather_failed, f.mpi_error})
+                           f.gather_failed, f.views, f.staging, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
     f.ready = true;
     fn = f;
@@ -529,9 +558,9 @@ PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
 
 PyObject* configure(PyObject*, PyObject* args) {
     int enabled;
-    Py_ssize_t max_bytes;
-    if (!PyArg_ParseTuple(args, "pn:short_path_settings", &enabled, &max_bytes)) return nullptr;
-    settings = {enabled != 0, max_bytes};
+    Py_ssize_t max_bytes, fusion_threshold;
+    if (!PyArg_ParseTuple(args, "pnn:short_path_settings", &enabled, &max_bytes, &fusion_threshold)) return nullptr;
+    settings = {enabled != 0, max_bytes, fusion_threshold};
     Py_RETURN_NONE;
 }
 
@@ -654,43 +683,38 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     if (!takes(nargs, 5, "reduce_scatter_now(x, op, out, group, name)")) return nullptr;
     PyObject *x = args[0], *op = args[1], *given = args[2], *group = args[3], *name = args[4];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, op, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
-    if (dims.empty()) Py_RETURN_NONE;  // the general path refuses it
-    Target t;
-    if (!target_of(group, t)) return nullptr;
-    const int64_t rows = dims[0], count = in.nbytes / route->itemsize;
-    const int64_t row_count = rows ? count / rows : 0;
+    Rows a;
+    if (int read = read_rows(x, op, group, true, a)) return left(read);
+    const Target& t = a.t;
+    const Route& route = *a.route;
+    const int64_t row_count = a.row_bytes / route.itemsize;
     std::vector<int> counts(static_cast<size_t>(t.size));
     for (Py_ssize_t r = 0; r < t.size; ++r) {
-        const int64_t n = rows_of_rank(rows, t.size, r) * row_count;
+        const int64_t n = rows_of_rank(a.rows, t.size, r) * row_count;
         if (!fits(n)) Py_RETURN_NONE;
         counts[r] = static_cast<int>(n);
     }
     const int rank = rank_in(t);
     if (rank < 0 || rank >= t.size) Py_RETURN_NONE;
-    const int64_t mine = rows_of_rank(rows, t.size, rank);
+    const int64_t mine = rows_of_rank(a.rows, t.size, rank);
     Ref out;
     Host result;
     if (given == Py_None) {
-        out.reset(new_result(x, mine, dims, route->itemsize, result));
+        out.reset(new_result(x, mine, a.dims, route.itemsize, result));
         if (!out) return nullptr;
     } else {
-        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
-        if (result.nbytes != mine * row_count * route->itemsize) Py_RETURN_NONE;
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+        if (result.nbytes != mine * a.row_bytes) Py_RETURN_NONE;
         out.reset(Py_NewRef(given));
     }
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!without_gil([&] {
-            return mpi::reduce_scatter(in.ptr, result.ptr, counts.data(), route->datatype, route->op, t.comm);
+            return mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
-    scale(result.ptr, counts[rank], *route, t.size);
+    scale(result.ptr, counts[rank], route, t.size);
     return out.release();
 }
 
@@ -698,24 +722,17 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 4, "allgather_now(x, out, group, name)")) return nullptr;
     PyObject *x = args[0], *given = args[1], *group = args[2], *name = args[3];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
+    Rows a;
+    if (int read = read_rows(x, Py_None, group, false, a)) return left(read);
+    const Target& t = a.t;
     Host result;
     if (given != Py_None)
-        if (int read = read_out(given, in.dtype.get(), result)) return left(read);
-    Target t;
-    if (!target_of(group, t)) return nullptr;
-    if (!fits(in.nbytes)) Py_RETURN_NONE;
-    const int64_t rows = dims.empty() ? 1 : dims[0];
-    const size_t rest = dims.empty() ? 0 : 1;
-    const int64_t row_bytes = rows ? in.nbytes / rows : route->itemsize *  // rows of 0: from the shape
-        std::accumulate(dims.begin() + static_cast<std::ptrdiff_t>(rest), dims.end(), int64_t{1},
-                        std::multiplies<int64_t>());
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+    if (!fits(a.in.nbytes)) Py_RETURN_NONE;
+    const size_t rest = a.dims.empty() ? 0 : 1;
     // What the general path exchanges too: rows, what a row is, out='s size (-1: none).
-    const int64_t meta[3] = {rows, static_cast<int64_t>(signature(route->name, dims.data() + rest, dims.size() - rest)),
+    const int64_t meta[3] = {a.rows,
+                             static_cast<int64_t>(signature(a.route->name, a.dims.data() + rest, a.dims.size() - rest)),
                              given == Py_None ? -1 : result.nbytes};
     std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
     Token token(name, s.allgather);
@@ -726,7 +743,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     int64_t total = 0, total_rows = 0;
     bool agreed = true;
     for (size_t r = 0; r < counts.size(); ++r) {
-        const int64_t nbytes = gathered[3 * r] * row_bytes;
+        const int64_t nbytes = gathered[3 * r] * a.row_bytes;
         agreed &= gathered[3 * r + 1] == meta[1] && fits(nbytes) && fits(total);
         counts[r] = static_cast<int>(nbytes);
         displs[r] = static_cast<int>(total);
@@ -748,14 +765,16 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Ref out;
     if (given == Py_None) {
-        out.reset(new_result(x, total_rows, dims.empty() ? std::vector<int64_t>{1} : dims, route->itemsize, result));
+        out.reset(new_result(x, total_rows, a.dims.empty() ? std::vector<int64_t>{1} : a.dims, a.route->itemsize,
+                             result));
         if (!out) return nullptr;
     } else {
         out.reset(Py_NewRef(given));
     }
-    const int nbytes = static_cast<int>(in.nbytes);
+    const int nbytes = static_cast<int>(a.in.nbytes);
     if (!without_gil([&] {
-            return mpi::allgatherv(in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte, t.comm);
+            return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte,
+                                   t.comm);
         }))
         return nullptr;
     ++runs;
@@ -786,18 +805,13 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 4, "alltoall_now(x, splits, group, name)")) return nullptr;
     PyObject *x = args[0], *splits = args[1], *group = args[2], *name = args[3];
     if (!active()) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, false, Py_None, in, route)) return left(read);
-    std::vector<int64_t> dims;
-    if (!dims_of(x, dims)) return nullptr;
-    if (dims.empty() || !fits(in.nbytes)) Py_RETURN_NONE;  // the general path refuses or splits it
-    Target t;
-    if (!target_of(group, t)) return nullptr;
+    Rows a;
+    if (int read = read_rows(x, Py_None, group, true, a)) return left(read);
+    if (!fits(a.in.nbytes)) Py_RETURN_NONE;  // the general path refuses it
+    const Target& t = a.t;
+    const int64_t row_bytes = a.row_bytes;
     std::vector<int64_t> sent;
-    if (!parse_splits(splits, t.size, dims[0], sent)) Py_RETURN_NONE;
-    const int64_t row_bytes = route->itemsize * std::accumulate(dims.begin() + 1, dims.end(), int64_t{1},
-                                                                std::multiplies<int64_t>());
+    if (!parse_splits(splits, t.size, a.rows, sent)) Py_RETURN_NONE;
     Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
     Host got;
     if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
@@ -828,10 +842,10 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         recv_rows += recv_splits[r];
     }
     Host result;
-    Ref out(new_result(x, recv_rows, dims, route->itemsize, result));
+    Ref out(new_result(x, recv_rows, a.dims, a.route->itemsize, result));
     if (!out) return nullptr;
     if (!without_gil([&] {
-            return mpi::alltoallv(in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
+            return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
                                   rdispls.data(), fn.byte, t.comm);
         }))
         return nullptr;
@@ -839,35 +853,133 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyTuple_Pack(2, out.get(), received.get());
 }
 
-PyObject* host_pointers(PyObject*, PyObject* xs) {
-    if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) Py_RETURN_NONE;
+// A list of writable, contiguous host tensors of one class and dtype, read as one is.
+struct Many {
+    std::vector<void*> ptrs;
+    std::vector<size_t> sizes;
+    size_t total = 0;
+    const Route* route = nullptr;  // the route of (op, dtype)
+};
+
+// xs read as Many; 0 read, 1 not such a list (the general path reads each and says what is
+// wrong), -1 error.
+int read_list(PyObject* xs, PyObject* op, Many& m) {
+    if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) return 1;
     const Py_ssize_t n = PyList_GET_SIZE(xs);
-    PyObject* kind = reinterpret_cast<PyObject*>(Py_TYPE(PyList_GET_ITEM(xs, 0)));
-    Ref ptrs(PyList_New(n)), sizes(PyList_New(n)), dtype;
-    if (!ptrs || !sizes) return nullptr;
+    PyObject* first = PyList_GET_ITEM(xs, 0);
+    Ref dtype;
+    m.ptrs.resize(static_cast<size_t>(n));
+    m.sizes.resize(static_cast<size_t>(n));
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* x = PyList_GET_ITEM(xs, i);
         Host h;
-        if (reinterpret_cast<PyObject*>(Py_TYPE(x)) != kind) Py_RETURN_NONE;
-        if (int read = read_host(x, true, h)) return left(read);
+        if (Py_TYPE(x) != Py_TYPE(first)) return 1;
+        if (int read = read_host(x, true, h)) return read;
         if (!dtype) {
             dtype.reset(Py_NewRef(h.dtype.get()));
         } else if (h.dtype.get() != dtype.get()) {  // dtype objects are singletons in numpy and torch
             const int same = PyObject_RichCompareBool(h.dtype.get(), dtype.get(), Py_EQ);
-            if (same <= 0) return same < 0 ? nullptr : none();
+            if (same <= 0) return same < 0 ? -1 : 1;
         }
-        PyObject* ptr = PyLong_FromVoidPtr(h.ptr);
-        PyObject* size = ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr;
-        if (!size) {
-            Py_XDECREF(ptr);
-            return nullptr;
-        }
+        m.ptrs[i] = h.ptr;
+        m.sizes[i] = static_cast<size_t>(h.nbytes);
+        m.total += m.sizes[i];
+    }
+    m.route = route_of(op, first, dtype.get());
+    return m.route ? 0 : PyErr_Occurred() ? -1 : 1;
+}
+
+PyObject* host_pointers(PyObject*, PyObject* xs) {
+    Many m;
+    if (int read = read_list(xs, Py_None, m)) return left(read);
+    const Py_ssize_t n = static_cast<Py_ssize_t>(m.ptrs.size());
+    Ref ptrs(PyList_New(n)), sizes(PyList_New(n));
+    if (!ptrs || !sizes) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* ptr = PyLong_FromVoidPtr(m.ptrs[i]);
+        if (!ptr) return nullptr;
         PyList_SET_ITEM(ptrs.get(), i, ptr);
+        PyObject* size = PyLong_FromSize_t(m.sizes[i]);
+        if (!size) return nullptr;
         PyList_SET_ITEM(sizes.get(), i, size);
     }
-    const Route* route = route_of(Py_None, PyList_GET_ITEM(xs, 0), dtype.get());
-    if (!route) return PyErr_Occurred() ? nullptr : none();
-    return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), route->name.c_str());
+    return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), m.route->name.c_str());
+}
+
+PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 5, "grouped_allreduce_now(xs, inplace, op, group, name)")) return nullptr;
+    PyObject *xs = args[0], *op = args[2], *group = args[3], *name = args[4];
+    const bool inplace = args[1] == Py_True;
+    if (!active()) Py_RETURN_NONE;
+    Many m;
+    if (int read = read_list(xs, op, m)) return left(read);
+    // One group, as collectives._allreduce_many would make it; other lists it splits.
+    if (*std::max_element(m.sizes.begin(), m.sizes.end()) >= static_cast<size_t>(fn.alone_bytes) ||
+        m.total > static_cast<size_t>(settings.fusion_threshold))
+        Py_RETURN_NONE;
+    const Route& route = *m.route;
+    Target t;
+    if (!target_of(group, t)) return nullptr;
+    std::vector<void*> dsts = m.ptrs;
+    Ref outs;
+    if (inplace) {
+        outs.reset(PyList_GetSlice(xs, 0, PyList_GET_SIZE(xs)));
+    } else {  // the results: views of one new buffer, reduced where they lie
+        Ref shape(Py_BuildValue("(n)", static_cast<Py_ssize_t>(m.total) / route.itemsize));
+        Host flat;
+        Ref buffer(shape ? new_like(PyList_GET_ITEM(xs, 0), shape.get(), static_cast<Py_ssize_t>(m.total), flat)
+                         : nullptr);
+        if (!buffer) return nullptr;
+        for (size_t i = 0, at = 0; i < dsts.size(); at += m.sizes[i++])
+            dsts[i] = static_cast<char*>(flat.ptr) + at;
+        outs.reset(PyObject_CallFunctionObjArgs(fn.views, buffer.get(), xs, nullptr));
+    }
+    if (!outs) return nullptr;
+    Token token(name, s.grouped_allreduce);
+    if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    // collectives._reduce_staged's pieces, packed into the staging buffer unless the
+    // destinations lie back to back (they are then their own, and need no unpack).
+    const size_t itemsize = static_cast<size_t>(route.itemsize), total = m.total;
+    const size_t limit = std::min(static_cast<size_t>(settings.max_bytes), (size_t{1} << 30) * itemsize);
+    const size_t step = std::max(itemsize, limit / itemsize * itemsize);
+    bool contiguous = true;
+    for (size_t i = 1; i < dsts.size(); ++i)
+        contiguous &= static_cast<char*>(dsts[i - 1]) + m.sizes[i - 1] == dsts[i];
+    const bool packed = contiguous && dsts == m.ptrs;
+    char* staging = nullptr;
+    Ref buffer;
+    if (!contiguous) {
+        Host h;
+        buffer.reset(PyObject_CallFunction(fn.staging, "n", static_cast<Py_ssize_t>(std::min(step, total))));
+        if (!buffer || read_host(buffer.get(), true, h) != 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "staging(n) must give a writable host buffer");
+            return nullptr;
+        }
+        staging = static_cast<char*>(h.ptr);
+    }
+    std::vector<const void*> srcs(m.ptrs.begin(), m.ptrs.end());
+    const double factor = route.average ? 1.0 / static_cast<double>(t.size) : 1.0;
+    if (!without_gil([&] {
+            size_t begin = 0;
+            do {  // one empty piece for nothing, as tensors.pieces
+                const size_t end = std::min(total, begin + step);
+                char* piece = contiguous ? static_cast<char*>(dsts[0]) + begin : staging;
+                if (!packed) cpu::pack(piece, srcs, m.sizes, begin, end);
+                const int count = static_cast<int>((end - begin) / itemsize);
+                if (int code = mpi::allreduce(reinterpret_cast<const void*>(fn.in_place), piece, count,
+                                              route.datatype, route.op, t.comm))
+                    return code;
+                if (!contiguous)
+                    cpu::unpack(piece, dsts, m.sizes, route.dt, factor, begin, end);
+                else if (factor != 1.0)
+                    cpu::scale(piece, (end - begin) / itemsize, route.dt, factor);
+                begin = end;
+            } while (begin < total);
+            return 0;
+        }))
+        return nullptr;
+    ++runs;
+    return outs.release();
 }
 
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }

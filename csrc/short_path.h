@@ -9,10 +9,10 @@ namespace pycoll::short_path {
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
 // short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
-// gather_failed, mpi_error, in_place, byte, int64): the functions and handles the short
-// path uses, given once.
+// gather_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
+// and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
-// short_path_settings(enabled, max_bytes): given again whenever the settings change.
+// short_path_settings(enabled, max_bytes, fusion_threshold): given again whenever the settings change.
 PyObject* configure(PyObject*, PyObject* args);
 // short_path_bind(gate, world_handle, world_size) at init; short_path_bind(None) at shutdown.
 PyObject* bind(PyObject*, PyObject* args);
@@ -28,6 +28,8 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // alltoall_now(x, splits, group, name) -> (result, received splits)
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// grouped_allreduce_now(xs, inplace, op, group, name) -> the list of results
+PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // row_signature(dtype, row_shape) -> int: what allgather's ranks compare (both paths).
 PyObject* row_signature(PyObject*, PyObject* args);
 // host_pointers(xs) -> (addresses, byte sizes, dtype name) of a list of writable,

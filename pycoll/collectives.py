@@ -127,10 +127,6 @@ class _Allreduce(NamedTuple):
     grp: runtime.Group
     name: str
 
-    @property
-    def key(self) -> tuple:
-        return self.src.dtype, self.src.device, self.op, id(self.grp.comm)
-
 
 def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
     return _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
@@ -580,14 +576,17 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
                     new_counts=functools.partial(np.empty, dtype=np.int64),
-                    gather_failed=_allgather_failed, mpi_error=MPI.Exception,
+                    gather_failed=_allgather_failed, views=tensors.views_of,
+                    staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
+                    alone_bytes=_ALONE_BYTES, mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
                     int64=MPI._handleof(MPI.INT64_T))
 # Mismatch checks (ranks compare what they submit), link emulation (the modelled time
 # is added after the call) and the timeline and report happen on the general path only.
 config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link")
                                             and not timeline.configured(),
-                                            config.get("chunk_bytes")))
+                                            config.get("chunk_bytes"),
+                                            config.get("fusion_threshold")))
 
 
 # ---------------------------------------------------------------- public API
@@ -602,9 +601,13 @@ def _submit(plan) -> Work:
     return runtime.engine().submit(thunk, name)
 
 
-def _submit_allreduce(item: _Allreduce) -> Work:
-    return runtime.engine().submit_fusable(item.key, item.src.nbytes, item, _allreduce_queued,
-                                           item.name)
+def _submit_allreduce(x, op, group, name, inplace) -> Work:
+    """Plan an async allreduce and queue it, fusable with those of its key (dtype, device,
+    op, communicator). Inline: a step's every gradient takes this path."""
+    item = _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
+    src = item.src
+    return runtime.engine().submit_fusable((src.dtype, src.device, item.op, id(item.grp.comm)),
+                                           src.nbytes, item, _allreduce_queued, item.name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
@@ -628,11 +631,11 @@ def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
 
 def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
     """Start an allreduce; consecutive async allreduces are fused (PYCOLL_FUSION_THRESHOLD)."""
-    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=False))
+    return _submit_allreduce(x, op, group, name, False)
 
 
 def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> Work:
-    return _submit_allreduce(_allreduce_item(x, op, group, name, inplace=True))
+    return _submit_allreduce(x, op, group, name, True)
 
 
 def flush() -> None:
@@ -641,12 +644,15 @@ def flush() -> None:
 
 
 def grouped_allreduce(xs, op=Average, group=None, name: Optional[str] = None) -> list:
-    """Allreduce a list of tensors in one fused call per dtype; new tensors."""
-    return _run(_plan_grouped_allreduce(xs, op, group, name, inplace=False))
+    """Allreduce a list of tensors in one fused call per dtype; new tensors (views of one
+    new buffer where the list was read in one pass)."""
+    got = _C.grouped_allreduce_now(xs, False, op, group, name)
+    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, False))
 
 
 def grouped_allreduce_(xs, op=Average, group=None, name: Optional[str] = None) -> list:
-    return _run(_plan_grouped_allreduce(xs, op, group, name, inplace=True))
+    got = _C.grouped_allreduce_now(xs, True, op, group, name)
+    return got if got is not None else _run(_plan_grouped_allreduce(xs, op, group, name, True))
 
 
 def grouped_allreduce_async(xs, op=Average, group=None, name: Optional[str] = None) -> Work:

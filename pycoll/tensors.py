@@ -240,6 +240,12 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
     first = as_array(xs[0])
     itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
     flat = empty_like(first, (sum(sizes) // itemsize,))
+    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
+    return views_of(flat, xs), base
+
+
+def views_of(flat, xs) -> list:
+    """The one-dimensional ``flat`` cut, in order, into views shaped like each of ``xs``."""
     views: list = []
     start = 0
     for shape, run in itertools.groupby(x.shape for x in xs):
@@ -252,8 +258,7 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
         else:                           # numpy would give scalars, not 0-d arrays
             views.extend(block[i:i + 1].reshape(()) for i in range(count))
         start += count * extent
-    base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
-    return views, base
+    return views
 
 
 def _has_buffer_protocol(x) -> bool:
@@ -269,11 +274,15 @@ def as_array(x):
     return x if hasattr(x, "dtype") or not _has_buffer_protocol(x) else np.asarray(memoryview(x))
 
 
-# numpy asks the kernel for huge pages (madvise) for arrays this large, torch's CPU
-# allocator does not: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms from
-# numpy and 50-56 ms from torch.empty, nearly all of it page faults. Large torch outputs
-# are therefore numpy memory seen as a tensor.
+# Host results this large live in _C.host_block's memory: huge pages (torch's CPU
+# allocator asks for none: a fresh 64 MiB output written by MPI's alltoall took 14-16 ms
+# from numpy and 50-56 ms from torch.empty, nearly all of it page faults), and the memory
+# of a result that died is reused by the next, with no pages to zero and map again.
 HUGE_PAGED = 4 * 2**20
+
+
+def _host_block(nbytes: int) -> np.ndarray:
+    return np.frombuffer(_C.host_block(nbytes), np.uint8)
 
 
 def empty_like(x, shape):
@@ -283,9 +292,12 @@ def empty_like(x, shape):
         nbytes = math.prod(shape) * x.element_size()
         if x.is_cpu and nbytes >= HUGE_PAGED:
             torch = sys.modules["torch"]
-            return torch.from_numpy(np.empty(nbytes, np.uint8)).view(x.dtype).view(tuple(shape))
+            return torch.from_numpy(_host_block(nbytes)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))
     if isinstance(x, np.ndarray):
+        nbytes = math.prod(shape) * x.itemsize
+        if nbytes >= HUGE_PAGED:
+            return _host_block(nbytes).view(x.dtype).reshape(tuple(shape))
         return np.empty(tuple(shape), dtype=x.dtype)
     module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes
     return module.empty(tuple(shape), dtype=x.dtype)

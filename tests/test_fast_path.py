@@ -197,3 +197,58 @@ def test_what_the_short_path_leaves_to_the_other_collectives_general_paths(group
     with pytest.raises(ValueError, match="contiguous"):
         pycoll.alltoall(np.arange(4.0 * size)[::2], group=arg)
     assert short_runs() == 0
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("op", [pycoll.Sum, pycoll.Average])
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("chunk_bytes", [4 * 2**20, 1000])      # one piece; many, cutting tensors
+def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kind, op, inplace,
+                                                chunk_bytes):
+    """A list that fuses into one group runs in _C. Odd ranks leave an async allreduce
+    unsent first, so their grouped call takes the general path: both paths must cut it
+    into the same MPI calls. Results out of place are views of one new buffer."""
+    arg, rank, size = group
+    settings(chunk_bytes=chunk_bytes)
+    shapes = [(5, 3), (700,), (1,), (2, 0), (30, 25), (4, 1, 2)]
+    tensor = torch.tensor if kind == "torch" else np.array
+
+    def inputs(fill):
+        return [tensor((np.arange(np.prod(s)).reshape(s) % 7 + fill).astype(np.float32))
+                for s in shapes]
+    pending = pycoll.allreduce_async_(np.ones(2), op=pycoll.Sum, group=arg)
+    if rank % 2 == 0:
+        pending.wait()
+    xs = inputs(rank)
+    call = pycoll.grouped_allreduce_ if inplace else pycoll.grouped_allreduce
+    ys = call(xs, op=op, group=arg)
+    assert pending.is_completed()
+    assert short_runs() == (rank % 2 == 0)
+    want = [w / size if op is pycoll.Average else w for w in
+            (sum(parts) for parts in zip(*[inputs(r) for r in range(size)]))]
+    assert ys == xs if inplace else len(ys) == len(xs)
+    for y, w, s in zip(ys, want, shapes):
+        assert type(y) is type(xs[0]) and tuple(y.shape) == s and y.dtype == xs[0].dtype
+        np.testing.assert_allclose(np.asarray(y), np.asarray(w, np.float32), rtol=1e-6)
+    if not inplace:
+        owner = ((lambda y: y.untyped_storage().data_ptr()) if kind == "torch"
+                 else (lambda y: id(y.base)))
+        assert len({owner(y) for y in ys}) == 1
+
+
+def test_grouped_lists_the_compiled_pass_leaves_to_the_general_path(settings, group, short_runs):
+    """Lists that _allreduce_many splits (past the fusion threshold, or holding a tensor
+    that goes alone), of mixed kinds or dtypes, and tuples."""
+    arg, rank, size = group
+    settings(fusion_threshold=3000)
+    for xs in ([np.ones(500, np.float32), np.ones(500, np.float32)],
+               [np.ones(2, np.float32), np.ones(2**16, np.float32)],
+               [np.ones(2, np.float32), torch.ones(2)],
+               [np.ones(2, np.float32), np.ones(2, np.float64)],
+               (np.ones(2, np.float32), np.ones(3, np.float32))):
+        for y in pycoll.grouped_allreduce(xs, op=pycoll.Sum, group=arg):
+            np.testing.assert_array_equal(np.asarray(y), size)
+    assert short_runs() == 0
+    with pytest.raises(TypeError, match="Average of int32"):
+        pycoll.grouped_allreduce_([np.ones(2, np.int32)], group=arg)
+    assert short_runs() == 0

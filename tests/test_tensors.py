@@ -99,8 +99,9 @@ def test_outputs_keep_the_kind_of_the_input():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_large_torch_outputs_are_whole_tensors_of_their_own(dtype):
-    """Past 4 MiB a torch output is numpy (huge-page) memory seen as a tensor: it must be
-    an ordinary, writable, contiguous tensor of its own, and an empty one stays empty."""
+    """Past 4 MiB a torch output is _C.host_block's (huge-page) memory seen as a tensor:
+    it must be an ordinary, writable, contiguous tensor of its own, and an empty one stays
+    empty."""
     x = torch.zeros(2, dtype=dtype)
     shape = (2**22 // x.element_size() + 3, 2)
     a, b = tensors.empty_like(x, shape), tensors.empty_like(x, shape)
@@ -111,6 +112,27 @@ def test_large_torch_outputs_are_whole_tensors_of_their_own(dtype):
     b.fill_(2)
     assert a.data_ptr() != b.data_ptr() and int(a[-1, -1]) == 1 and int(b[0, 0]) == 2
     assert tuple(tensors.empty_like(x, (0, 2**22)).shape) == (0, 2**22)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_large_outputs_reuse_the_memory_of_dead_ones_only(kind):
+    """A large output's memory goes to the next one once nothing refers to it, through
+    any view (numpy's views of views skip the arrays in between); never while it lives."""
+    x = np.zeros(2, np.float32) if kind == "numpy" else torch.zeros(2)
+    address = (lambda y: y.ctypes.data) if kind == "numpy" else (lambda y: y.data_ptr())
+    shape = (2**20 + 5,)                                   # just over 4 MiB of float32
+    first = tensors.empty_like(x, shape)
+    first_at = address(first)
+    view = first[1:][2:]
+    del first
+    second = tensors.empty_like(x, shape)
+    assert address(second) != first_at                     # the view still holds it
+    view[0] = 7
+    second[...] = 1
+    assert float(view[0]) == 7
+    del view, second
+    third = tensors.empty_like(x, shape)
+    assert first_at in (address(third), address(tensors.empty_like(x, shape)))
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])

@@ -347,6 +347,32 @@ def test_pickled_and_probed_messages_and_messages_to_oneself(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_probed_messages_are_received_without_the_sweep(comm, monkeypatch):
+    """The parameter server's way of receiving (Improbe, then the matched message's
+    Irecv) completes when its record comes, not on the pass over every queue that runs
+    each FALLBACK_S (off here): that pass cost each PS payload piece up to 10 ms."""
+    from mpi4py import MPI
+    from pycoll.work import wait_requests
+    monkeypatch.setattr(emulation, "_FALLBACK_S", math.inf)
+    r, n = comm.Get_rank(), comm.Get_size()
+    sent = [comm.Isend(np.full(1024, 10 * r + i, np.int32), dest=(r + 1) % n, tag=11)
+            for i in range(3)]
+    inbox, received, status = [np.empty(1024, np.int32) for _ in range(3)], [], MPI.Status()
+    for box in inbox:
+        message = comm.Improbe((r - 1) % n, 11, status)
+        deadline = time.monotonic() + 30
+        while message is None and time.monotonic() < deadline:
+            time.sleep(1e-4)
+            message = comm.Improbe((r - 1) % n, 11, status)
+        assert message is not None
+        received.append(message.Irecv(box))
+    pending = wait_requests(received + sent, 30.0)
+    comm.Barrier()
+    assert pending == [], pending
+    assert [int(box[0]) for box in inbox] == [10 * ((r - 1) % n) + i for i in range(3)]
+
+
+@pytest.mark.mpi(min_size=2)
 def test_messages_of_one_source_and_tag_complete_in_order(comm, monkeypatch):
     """Receives of one source and tag complete in the order MPI matches them, each with
     its own message: the emulation takes a queue's receives in posting order, also in its
@@ -445,6 +471,8 @@ def _job(ranks, *args):
 
 
 def test_parameter_server_pushes_share_the_servers_link():
+    """The job turns the emulation's pass over every receive queue off: the server's
+    payload pieces complete as their records come (they once waited for that pass)."""
     times = _job(3, "--servers", "1", "ps")
     one = (1 << 20) / 100e6                                 # 1 MiB at 100 MB/s
     assert one * 0.99 <= times["push_1"] < 3 * one + 0.25, times

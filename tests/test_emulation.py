@@ -105,6 +105,25 @@ def test_sleep_until_is_on_time_and_sleeps():
     assert time.thread_time() - cpu < 0.01            # 22 ms waited, mostly asleep
 
 
+def test_nap_ends_when_the_emulation_releases_a_request(settings, monkeypatch):
+    """A poller's nap (the parameter server's) under a link ends at the emulation's
+    release, not after its full length; without a link it is a plain sleep."""
+    settings(link=LINK)
+    emulation._released.clear()
+    threading.Timer(0.05, emulation._released.set).start()
+    start = time.monotonic()
+    emulation.nap(60.0)
+    assert time.monotonic() - start < 30 and not emulation._released.is_set()
+    settings(link=None)
+    slept, me, sleep = [], threading.get_ident(), time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s) if threading.get_ident() == me
+                        else sleep(s))
+    emulation._released.set()                   # no link: not looked at
+    emulation.nap(0.25)
+    emulation._released.clear()
+    assert slept == [0.25]
+
+
 # ---------------------------------------------------------------- slowdown windows
 
 def test_slowdown_windows_parse():
@@ -290,9 +309,10 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
     r = comm.Get_rank()
     data = np.full(MESSAGE, r, np.uint8)
     transfer = emulation.transfer_time(MESSAGE, LATENCY, BANDWIDTH)
-    times, statuses = [], []
+    times, statuses, released = [], [], []
     for blocking in (False, True):
         start = _together(comm)
+        emulation._released.clear()
         status = MPI.Status()
         if r == 0:
             if blocking:
@@ -305,12 +325,15 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
             else:
                 comm.Irecv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG).Wait(status)
         times.append(time.monotonic() - start)
+        released.append(emulation._released.is_set())   # a napping poller would wake
         statuses.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
     if r == 0:
         assert min(times) >= MESSAGE / BANDWIDTH * 0.99, times          # its last byte left
     elif r == 1:
         assert min(times) >= transfer * 0.99 and max(times) < 3 * transfer + 0.25, times
         assert statuses == [(0, 3, MESSAGE)] * 2 and np.all(data == 0)
+    if r in (0, 1):
+        assert released[0], "the held Isend/Irecv was released without waking nappers"
 
 
 @pytest.mark.mpi(min_size=2)

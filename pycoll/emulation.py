@@ -187,9 +187,12 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
 
 # ---------------------------------------------------------------- waiting
 
-# time.sleep wakes 35-90 us late here even with a 1 ns timer slack: the last stretch
-# before a deadline is spent yielding the core instead, so small transfers stay on time.
-SPIN_S = 100e-6
+# A 300 us time.sleep wakes 80 us late with Linux's default 50 us timer slack, 25 us with
+# 1 ns (medians, 2-core VM at load 24). The last SPIN_S before a deadline is spent
+# yielding the GIL instead: 15 us late (p90 22), for 10 us more CPU than sleeping. A
+# longer spin bought little (100 us: 9 us late, p90 21, 4x the CPU) and made the worst
+# wake-ups worse (p99 7 ms against 3.5 ms: the scheduler holds back a spinning rank).
+SPIN_S = 30e-6
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 

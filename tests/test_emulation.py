@@ -325,7 +325,8 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
             else:
                 comm.Irecv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG).Wait(status)
         times.append(time.monotonic() - start)
-        released.append(emulation._released.is_set())   # a napping poller would wake
+        released.append(emulation._released.wait(5))   # a napping poller wakes (the
+        # emulation thread sets it just after the release Wait returned on)
         statuses.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
     if r == 0:
         assert min(times) >= MESSAGE / BANDWIDTH * 0.99, times          # its last byte left

@@ -105,6 +105,25 @@ def test_sleep_until_is_on_time_and_sleeps():
     assert time.thread_time() - cpu < 0.01            # 22 ms waited, mostly asleep
 
 
+def test_nap_ends_when_the_emulation_releases_a_request(settings, monkeypatch):
+    """A poller's nap (the parameter server's) under a link ends at the emulation's
+    release, not after its full length; without a link it is a plain sleep."""
+    settings(link=LINK)
+    emulation._released.clear()
+    threading.Timer(0.05, emulation._released.set).start()
+    start = time.monotonic()
+    emulation.nap(60.0)
+    assert time.monotonic() - start < 30 and not emulation._released.is_set()
+    settings(link=None)
+    slept, me, sleep = [], threading.get_ident(), time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s) if threading.get_ident() == me
+                        else sleep(s))
+    emulation._released.set()                   # no link: not looked at
+    emulation.nap(0.25)
+    emulation._released.clear()
+    assert slept == [0.25]
+
+
 # ---------------------------------------------------------------- slowdown windows
 
 def test_slowdown_windows_parse():
@@ -290,9 +309,10 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
     r = comm.Get_rank()
     data = np.full(MESSAGE, r, np.uint8)
     transfer = emulation.transfer_time(MESSAGE, LATENCY, BANDWIDTH)
-    times, statuses = [], []
+    times, statuses, released = [], [], []
     for blocking in (False, True):
         start = _together(comm)
+        emulation._released.clear()
         status = MPI.Status()
         if r == 0:
             if blocking:
@@ -305,12 +325,15 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
             else:
                 comm.Irecv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG).Wait(status)
         times.append(time.monotonic() - start)
+        if not blocking and r in (0, 1):       # a held request's release wakes nappers
+            released.append(emulation._released.wait(5))    # (set just after it)
         statuses.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
     if r == 0:
         assert min(times) >= MESSAGE / BANDWIDTH * 0.99, times          # its last byte left
     elif r == 1:
         assert min(times) >= transfer * 0.99 and max(times) < 3 * transfer + 0.25, times
         assert statuses == [(0, 3, MESSAGE)] * 2 and np.all(data == 0)
+    assert all(released), "the held Isend/Irecv was released without waking nappers"
 
 
 @pytest.mark.mpi(min_size=2)
@@ -344,6 +367,32 @@ def test_pickled_and_probed_messages_and_messages_to_oneself(comm):
         assert listed == [1, 2, 3] and status.Get_source() == 0
         assert np.array_equal(probed, np.arange(4.0))
     assert np.array_equal(back, mine) and to_self < 0.05
+
+
+@pytest.mark.mpi(min_size=2)
+def test_probed_messages_are_received_without_the_sweep(comm, monkeypatch):
+    """The parameter server's way of receiving (Improbe, then the matched message's
+    Irecv) completes when its record comes, not on the pass over every queue that runs
+    each FALLBACK_S (off here): that pass cost each PS payload piece up to 10 ms."""
+    from mpi4py import MPI
+    from pycoll.work import wait_requests
+    monkeypatch.setattr(emulation, "_FALLBACK_S", math.inf)
+    r, n = comm.Get_rank(), comm.Get_size()
+    sent = [comm.Isend(np.full(1024, 10 * r + i, np.int32), dest=(r + 1) % n, tag=11)
+            for i in range(3)]
+    inbox, received, status = [np.empty(1024, np.int32) for _ in range(3)], [], MPI.Status()
+    for box in inbox:
+        message = comm.Improbe((r - 1) % n, 11, status)
+        deadline = time.monotonic() + 30
+        while message is None and time.monotonic() < deadline:
+            time.sleep(1e-4)
+            message = comm.Improbe((r - 1) % n, 11, status)
+        assert message is not None
+        received.append(message.Irecv(box))
+    pending = wait_requests(received + sent, 30.0)
+    comm.Barrier()
+    assert pending == [], pending
+    assert [int(box[0]) for box in inbox] == [10 * ((r - 1) % n) + i for i in range(3)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -445,6 +494,8 @@ def _job(ranks, *args):
 
 
 def test_parameter_server_pushes_share_the_servers_link():
+    """The job turns the emulation's pass over every receive queue off: the server's
+    payload pieces complete as their records come (they once waited for that pass)."""
     times = _job(3, "--servers", "1", "ps")
     one = (1 << 20) / 100e6                                 # 1 MiB at 100 MB/s
     assert one * 0.99 <= times["push_1"] < 3 * one + 0.25, times

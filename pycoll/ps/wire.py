@@ -39,7 +39,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import tensors
+from .. import emulation, tensors
 
 MAGIC, VERSION = b"PCPS", 3
 REQUEST, BAD = 1, 2
@@ -218,7 +218,8 @@ def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0,
 def nap(quiet_s: float, shortest: float, longest: float) -> None:
     """How both sides wait for MPI without burning a core (a blocking MPI call spins):
     sleep a fraction of the quiet spell so far, so an answer that ends it is late by
-    about 1/8 of the spell at most, and a long-idle rank wakes only 1/longest a second."""
+    about 1/8 of the spell at most, and a long-idle rank wakes only 1/longest a second.
+    Under --link the nap ends when the emulation releases a paced request."""
     time.sleep(min(longest, max(shortest, quiet_s / 8)))
 
 

@@ -35,9 +35,9 @@ asynchronous training (each pushes once while the N - 1 others push once each).
   the stragglers'. The model then keeps the step per unit of time its learning rate was
   tuned for with N equal workers. Without it, dropping lost what ASP keeps: with two of
   four workers slowed 4x they bring a fifth of the updates, and SaPS reached 90% later
-  than ASP (ps_stragglers' setting (b)); discounting them instead (``drop_flagged``
-  off) was no faster and lost setting (a), where the straggler's gradients at staleness
-  3E hurt a larger learning rate.
+  than ASP (bench/ps_stragglers.py's setting (b)); discounting them instead
+  (``drop_flagged`` off) was no faster there and slower in setting (a), one worker
+  slowed 3x at a larger learning rate (docs/benchmarks.md, SaPS).
 
 Defaults: ``threshold`` 1.5 (a worker whose steps take k times as long shows about kE;
 equal workers' jitter passes 1.5E now and then, never 8 times in a row in our runs),

@@ -27,8 +27,8 @@ workers: SaPS's against ASP's shows that nobody's pull waits), the applied stale
 (median / p90 / p99 / max over every update of every run, and the slowed workers' 90th
 percentile: their median is low, as they go on alone once the others have done their
 epochs), SaPS's flags (in training time), discounted and dropped updates, and the load
-average the runs saw; writes the JSON rows and a PNG of test accuracy against time (a panel per
-setting) to --out.
+average the runs saw; writes the JSON rows and a PNG of test accuracy against time (a
+panel per setting) to --out.
 """
 import argparse
 import json

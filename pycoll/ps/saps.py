@@ -187,7 +187,8 @@ class Coordination:
         self.status = MPI.Status()
 
     def observe(self, worker: int, staleness: int) -> float:
-        """A push ``staleness`` versions old from ``worker``: the weight it is applied with."""
+        """A push ``staleness`` versions old from ``worker``: the factor its gradient / N is
+        applied with (its weight x ``share``; 0 drops it)."""
         weight = self.policy.weight(staleness, self.workers, self.flagged[worker])
         factor = weight * self.share           # before this observation changes the flags
         if weight == 0.0:

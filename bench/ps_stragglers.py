@@ -4,8 +4,9 @@
                                 [--workers 4 --servers 2 --link 50us,1.25GB/s --step-ms 20]
                                 [--slowdown RANK:FACTOR[@START-END],...] [--repeat 1]
 
-Runs examples/ps_digits.py once per policy and setting (``--repeat`` times, medians,
-interleaved) under ``pycollrun --servers S --link L --slowdown ...``:
+Runs examples/ps_digits.py once per policy and setting (``--repeat`` times with seeds
+0, 1, ..., as reproduce.py's SaPS experiment; medians; interleaved) under ``pycollrun
+--servers S --link L --slowdown ...``:
 
 - (a) the last worker slowed 3x for the whole run;
 - (b) the last two workers slowed 4x from 0.5 s to 3.5 s of training (windows count from
@@ -22,11 +23,12 @@ noise (the MLP's own step is a millisecond against several of protocol and emula
 A setting's own knobs (b's) win over the command line's.
 Prints per setting and policy: time to the target test accuracy, final accuracy, total
 time, delayed pulls, the time a worker is blocked in ``pull()`` per step (mean over
-workers: SaPS's against ASP's shows that nobody's pull waits), the applied staleness (median / p99 / max over all updates, and
-the slowed workers' 90th percentile: their median is low, as they go on alone once the
-others have done their epochs), SaPS's flags (in training time), discounted and dropped
-updates; writes the JSON rows and a PNG of test accuracy against time (a panel per
-setting) to --out.
+workers: SaPS's against ASP's shows that nobody's pull waits), the applied staleness
+(median / p90 / p99 / max over every update of every run, and the slowed workers' 90th
+percentile: their median is low, as they go on alone once the others have done their
+epochs), SaPS's flags (in training time), discounted and dropped updates, and the load
+average the runs saw; writes the JSON rows and a PNG of test accuracy against time (a
+panel per setting) to --out.
 """
 import argparse
 import json
@@ -53,12 +55,16 @@ def settings(workers: int) -> dict:
 
 def run(policy: str, slowdown: str, *, servers=2, workers=4, link=LINK, step_ms=STEP_MS,
         epochs=10, hidden=1024, batch_size=64, lr=0.1, seed=0) -> dict:
-    """One training of the digits MLP under ``policy``; ps_digits.py's JSON."""
+    """One training of the digits MLP under ``policy``; ps_digits.py's JSON, with the
+    1-minute load average before and after the run (``load``)."""
     flags = ["--servers", str(servers), "--slowdown", slowdown] + (["--link", link] if link else [])
-    return run_job(servers + workers, "ps_digits.py",
-                   ["--policy", policy, "--epochs", epochs, "--hidden", hidden, "--lr", lr,
-                    "--batch-size", batch_size, "--step-ms", step_ms, "--seed", seed],
-                   flags=flags)
+    before = os.getloadavg()[0]
+    out = run_job(servers + workers, "ps_digits.py",
+                  ["--policy", policy, "--epochs", epochs, "--hidden", hidden, "--lr", lr,
+                   "--batch-size", batch_size, "--step-ms", step_ms, "--seed", seed],
+                  flags=flags)
+    out["load"] = [before, os.getloadavg()[0]]
+    return out
 
 
 def time_to(curve, target):
@@ -91,21 +97,24 @@ def flags(out: dict) -> list:
 
 
 def summarize(setting: str, policy: str, runs: list, slowed, target: float) -> dict:
+    from pycoll.ps.saps import merged
     median = statistics.median
     view = [r["stragglers"] for r in runs]
     stale = [staleness(r, slowed) for r in runs]
+    pooled = merged({str(i): s["histogram"] for i, s in enumerate(stale)})   # every run's
     return dict(
         setting=setting, policy=policy,
         time_to_target_s=median(time_to(r["curve"], target) for r in runs),
+        time_to_target_range=[f(time_to(r["curve"], target) for r in runs) for f in (min, max)],
         final_accuracy=median(r["final"] for r in runs),
         seconds=median(r["seconds"] for r in runs),
         delayed_pulls=median(sum(s["delayed_pulls"] for s in r["servers"]) for r in runs),
-        staleness_median=median(s["median"] for s in stale),
-        staleness_p99=median(s["p99"] for s in stale),
-        staleness_max=max(s["max"] for s in stale),
+        staleness_median=quantile(pooled, 0.5), staleness_p90=quantile(pooled, 0.9),
+        staleness_p99=quantile(pooled, 0.99), staleness_max=quantile(pooled, 1),
         slowed_staleness_p90=median(s["slowed_p90"] or 0 for s in stale),
         pull_wait_ms=median(1e3 * statistics.mean(r["pull_wait_s"]) for r in runs),
-        staleness_histogram=stale[0]["histogram"],
+        staleness_histogram=pooled,
+        load=[min(r["load"][0] for r in runs), max(max(r["load"]) for r in runs)],
         flags=flags(runs[0]),
         discounted=median(sum(v.get("discounted", [0])) for v in view),
         dropped=median(sum(v.get("dropped", [0])) for v in view))
@@ -145,10 +154,10 @@ def main():
                  step_ms=args.step_ms, epochs=args.epochs, hidden=args.hidden,
                  batch_size=args.batch_size)
     results = {name: {p: [] for p in args.policies} for name in chosen}
-    for _ in range(args.repeat):           # interleaved: machine noise hits all alike
+    for seed in range(args.repeat):        # interleaved: machine noise hits all alike
         for name, (_, spec, own) in chosen.items():
             for policy in args.policies:
-                results[name][policy].append(run(policy, spec, **{**knobs, **own}))
+                results[name][policy].append(run(policy, spec, seed=seed, **{**knobs, **own}))
     rows = [summarize(name, policy, runs, slowed_workers(chosen[name][1]), args.target)
             for name, by_policy in results.items() for policy, runs in by_policy.items()]
     print(f"{args.workers} workers, {args.servers} servers, link {args.link or 'none'}, "
@@ -158,18 +167,24 @@ def main():
         print(f"\n({name}) {title}: --slowdown {spec}, {mine['step_ms']:g} ms emulated "
               f"compute per step, {mine['epochs']} epochs"
               + (f", learning rate {own['lr']:g}" if "lr" in own else ""))
-        print(f"{'policy':<12} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>9} "
-              f"{'total s':>8} {'delayed':>8} {'pull ms':>8} {'staleness med/p99/max':>22} "
-              f"{'slowed p90':>10}  SaPS")
         mine = [r for r in rows if r["setting"] == name]
+        print(f"load average (1 min) during the runs: {min(r['load'][0] for r in mine):.1f}-"
+              f"{max(r['load'][1] for r in mine):.1f}")
+        print(f"{'policy':<12} {'t to ' + format(args.target, '.0%'):>9} {'(min-max)':>11} "
+              f"{'final acc':>9} "
+              f"{'total s':>8} {'delayed':>8} {'pull ms':>8} {'staleness med/p90/p99/max':>26} "
+              f"{'slowed p90':>10}  SaPS")
         for r in mine:
             saps = ""
             if r["policy"].startswith("saps"):
                 saps = (f"discounted {r['discounted']:.0f}, dropped {r['dropped']:.0f}; flags "
                         + (", ".join(flag_text(f) for f in r["flags"]) or "none"))
-            print(f"{r['policy']:<12} {r['time_to_target_s']:9.2f} {r['final_accuracy']:9.2%} "
+            low, high = r["time_to_target_range"]
+            print(f"{r['policy']:<12} {r['time_to_target_s']:9.2f} {f'({low:.2f}-{high:.2f})':>11} "
+                  f"{r['final_accuracy']:9.2%} "
                   f"{r['seconds']:8.2f} {r['delayed_pulls']:8.0f} {r['pull_wait_ms']:8.2f} "
-                  f"{r['staleness_median']:>8}/{r['staleness_p99']}/{r['staleness_max']:<6} "
+                  f"{r['staleness_median']:>10}/{r['staleness_p90']}/{r['staleness_p99']}/"
+                  f"{r['staleness_max']:<6} "
                   f"{r['slowed_staleness_p90']:>10}  {saps}")
         verdict(mine, args.target)
     with open(os.path.join(args.out, "ps_stragglers.json"), "w") as f:

@@ -245,3 +245,26 @@ def test_partial_bench_smoke(tmp_path):
     assert [(r["group"], r["bytes"]) for r in rows] == [
         (k, n) for k in (2, 3) for n in (4, 256, 16384, 1 << 20)]
     assert all(r["partial_us"] > 0 and r["mpi_us"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------- bench/ps_stragglers.py
+
+def test_ps_stragglers_smoke(tmp_path):
+    """bench/ps_stragglers.py shrunk: setting (a) with 2 workers, 1 server, 1 epoch, ASP
+    and SaPS: a row per policy with its staleness distribution, the verdict, JSON, PNG."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_", "PMIX_", "PMI_"))}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ps_stragglers.py"),
+                           "--settings", "a", "--workers", "2", "--servers", "1", "--epochs", "1",
+                           "--policies", "asp", "saps", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "staleness med/p90/p99/max" in proc.stdout and "load average" in proc.stdout
+    assert "blocked in pull" in proc.stdout, proc.stdout
+    rows = json.loads((tmp_path / "ps_stragglers.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["asp", "saps"]
+    for r in rows:
+        counts = sum(r["staleness_histogram"].values())
+        assert counts > 0 and r["staleness_median"] <= r["staleness_p90"] <= r["staleness_max"]
+    assert (tmp_path / "ps_stragglers.png").stat().st_size > 0

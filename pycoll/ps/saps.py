@@ -15,8 +15,9 @@ asynchronous training (each pushes once while the N - 1 others push once each).
 - Nobody waits: updates apply on arrival and pulls are answered at once (ASP's latency).
 - Discount and drop, on every push: weight(s) = 1 for s <= T = ``threshold`` x E;
   (T / s) ** ``power`` for T < s <= ``bound``; 0 (dropped) for s > ``bound``. An update
-  is applied as weight x gradient / N, so the staleness of an applied update never
-  exceeds ``bound``: a hard guarantee, whatever the detector thinks.
+  is applied as weight x gradient / N (/ (N - F) while F are flagged, below), so the
+  staleness of an applied update never exceeds ``bound``: a hard guarantee, whatever
+  the detector thinks.
 - Detection: each server reports its (worker, staleness) observations to a coordinator
   on the first server (batched, never in a request's path). A worker whose last
   ``window`` observations were all above T is flagged; a flagged worker whose last
@@ -28,11 +29,21 @@ asynchronous training (each pushes once while the N - 1 others push once each).
   parameters, so its next gradient starts from them. (A worker computes on what it
   pulled when its step began, so a fresher basis than the answer to its push would mean
   interrupting its compute.)
+- The flagged leave the average: while F workers are flagged (with ``drop_flagged``),
+  every applied update counts weight x gradient / (N - F) instead of / N, as synchronous
+  SGD with backup workers (Chen et al. 2016) averages the gradients that came and not
+  the stragglers'. The model then keeps the step per unit of time its learning rate was
+  tuned for with N equal workers. Without it, dropping lost what ASP keeps: with two of
+  four workers slowed 4x they bring a fifth of the updates, and SaPS reached 90% later
+  than ASP (bench/ps_stragglers.py's setting (b)); discounting them instead
+  (``drop_flagged`` off) was no faster there and slower in setting (a), one worker
+  slowed 3x at a larger learning rate (docs/benchmarks.md, SaPS).
 
 Defaults: ``threshold`` 1.5 (a worker whose steps take k times as long shows about kE;
 equal workers' jitter passes 1.5E now and then, never 8 times in a row in our runs),
-``window`` 8 observations, ``bound`` 4E, ``power`` 1 (the staleness-
-scaled step of Zhang et al. 2016), ``drop_flagged`` True.
+``window`` 8 observations (every server holding a part of a push observes it: with 2
+servers, 4 of a straggler's pushes), ``bound`` 4E, ``power`` 1 (the
+staleness-scaled step of Zhang et al. 2016), ``drop_flagged`` True.
 
 Counters (each server's ``saps`` entry of ``counters()``, merged by ``stragglers``):
 updates discounted and dropped per worker; the flags with their times (seconds since
@@ -92,6 +103,11 @@ class SaPS(Policy):
         if flagged and self.drop_flagged:
             return 0.0
         return (tolerated / staleness) ** self.power
+
+    def share(self, workers: int, flagged: int) -> float:
+        """The factor every applied update's 1 / N grows by while ``flagged`` workers are
+        flagged: with ``drop_flagged`` the others' updates average over N - flagged."""
+        return workers / max(1, workers - flagged) if self.drop_flagged else 1.0
 
     def server_side(self, comm, index: int, workers: int) -> "Coordination":
         return Coordination(self, comm, index, workers)
@@ -160,7 +176,7 @@ class Coordination:
         self.epoch = time.time() - self.start         # monotonic -> Unix time
         limit, _ = policy.limits(workers)
         self.detector = Detector(workers, limit, policy.window) if index == 0 else None
-        self.flagged = [False] * workers
+        self._flag([False] * workers)
         self.outbox: List[int] = []              # worker, staleness, worker, ...
         self.last_flush = self.start
         self.sends: list = []                    # (request, buffer) in flight
@@ -171,8 +187,10 @@ class Coordination:
         self.status = MPI.Status()
 
     def observe(self, worker: int, staleness: int) -> float:
-        """A push ``staleness`` versions old from ``worker``: the weight it is applied with."""
+        """A push ``staleness`` versions old from ``worker``: the factor its gradient / N is
+        applied with (its weight x ``share``; 0 drops it)."""
         weight = self.policy.weight(staleness, self.workers, self.flagged[worker])
+        factor = weight * self.share           # before this observation changes the flags
         if weight == 0.0:
             self.dropped[worker] += 1
         elif weight < 1.0:
@@ -182,7 +200,7 @@ class Coordination:
                 self._publish()
         else:
             self.outbox += (worker, staleness)
-        return weight
+        return factor
 
     def poll(self) -> None:
         """Between requests: take the messages of the other servers, send ours when due."""
@@ -199,7 +217,7 @@ class Coordination:
                 self._publish()
         else:
             for data in self._take(FLAGS):
-                self.flagged = [bool(f) for f in data]
+                self._flag(data)
             now = time.monotonic()
             if self.outbox and (len(self.outbox) >= 2 * FLUSH_COUNT
                                 or now - self.last_flush >= FLUSH_S):
@@ -225,7 +243,7 @@ class Coordination:
                         for worker, staleness in data.reshape(-1, 2).tolist():
                             self.detector.feed(worker, staleness, time.monotonic() - self.start)
                     else:
-                        self.flagged = [bool(f) for f in data]
+                        self._flag(data)
                 time.sleep(1e-4)
             if any(r < o for r, o in zip(self.received, owed)):
                 log.warning("pycoll.ps server %d: SaPS messages of other servers did not come "
@@ -249,11 +267,15 @@ class Coordination:
 
     def _publish(self) -> None:
         """Server 0: the new flags, here and to every other server."""
-        self.flagged = list(self.detector.flagged)
+        self._flag(self.detector.flagged)
         if self.comm.size > 1:
             flags = np.array(self.flagged, np.int8)
             for server in range(1, self.comm.size):
                 self._send(flags.copy(), server, FLAGS)
+
+    def _flag(self, flags) -> None:
+        self.flagged = [bool(f) for f in flags]
+        self.share = self.policy.share(self.workers, sum(self.flagged))
 
     def _send(self, data: np.ndarray, server: int, tag: int) -> None:
         request = self.comm.Isend([data, self.MPI.BYTE], server, tag)

@@ -196,11 +196,14 @@ class Schedule:
 
     def _probe(self) -> Tuple[float, float]:
         """alpha and beta fitted to timed transfers of 8 bytes and of the model's bytes
-        (capped at 4 MiB), three of each, medians."""
+        (capped at 4 MiB), three of each, the least of each (noise only adds). The
+        bytes' share of the large one is taken as at least a quarter of it: on a busy
+        host the two times can differ by noise alone, and a difference near zero makes
+        beta unbounded (partitions then look free)."""
         large = max(64 << 10, min(4 << 20, sum(t.rows * t.row_bytes for t in self.tensors)))
-        small_s = statistics.median(self.transport.probe(8) for _ in range(3))
-        large_s = statistics.median(self.transport.probe(large) for _ in range(3))
-        return small_s, max(large - 8, 1) / max(large_s - small_s, 1e-9)
+        small_s = min(self.transport.probe(8) for _ in range(3))
+        large_s = min(self.transport.probe(large) for _ in range(3))
+        return small_s, max(large - 8, 1) / max(large_s - small_s, large_s / 4, 1e-9)
 
     # ------------------------------------------------------------ backward
     def _make_grad_ready(self, i: int):

@@ -120,6 +120,26 @@ def test_a_replan_keeps_the_running_plan_unless_the_new_one_is_clearly_faster():
     assert planner.choose(TENSORS, ORDER, noisy, 64 << 10, current=best).parts == best.parts
 
 
+def test_refine_splits_a_large_layer_from_the_small_ones_backward_finishes_later():
+    """Layers 1-4 are small and finish backward after the large layer 5: merged with
+    them, its transfer waits for them; local search gives it a partition of its own."""
+    tensors = [Tensor(16, 256, layer) for layer in range(5)] + [Tensor(256, 4096, 5)] + \
+        [Tensor(16, 256, layer) for layer in range(6, 9)]
+    order = list(range(9))
+    profile = Profile([1e-3] * 9, [2e-3] * 9, 1e-3, 125e6 / 4, stages=2)
+    layers = planner.by_layer(planner.pieces(tensors, order, 1 << 30), tensors)
+    merged = [layers[0], sum(layers[1:6], ()), sum(layers[6:], ())]
+    refined = planner.refine(merged, tensors, order, profile)
+    planner.check_cover(refined, tensors)
+    assert [[tensors[p.tensor].layer for p in part] for part in refined] == \
+        [[0], [1, 2], [3, 4], [5], [6, 7, 8]]
+
+    def best(parts):
+        return min(planner.simulate(parts, tensors, order, profile, issue) for issue in
+                   (planner.reverse(parts), planner.by_priority(parts, tensors, order, profile)))
+    assert best(refined) < best(merged)
+
+
 class _Recording:
     """A transport that only records what the schedule asks of it."""
     stages = 1

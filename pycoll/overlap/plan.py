@@ -33,6 +33,10 @@ layer's bytes): its transfer hides behind that compute on the way back and again
 way forward. It always takes at least one piece. lambda trades messages (alpha each)
 against exposed time: the planner builds plans for lambda in ``LAMBDAS``, adds one
 partition per layer and one for everything, and keeps the plan whose modelled T is least.
+The greedy cuts by compute alone, so it can merge a large layer with small ones that
+finish backward later, whose transfer then waits for them; ``refine`` (local search:
+split a partition where a layer ends, or merge two neighbours, best move first, while T
+falls) starts from the best greedy plan and is one more candidate.
 
 Issue order (ByteScheduler's priorities, made static so that every rank issues alike):
 backward makes the partitions ready in the order K..1, but the next forward needs P_1
@@ -57,6 +61,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 LAMBDAS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
 KEEP = 0.05             # a re-plan must model this much (relative) faster to replace
+REFINE_ROUNDS = 16      # local-search moves on the best greedy plan
 
 
 class Tensor(NamedTuple):
@@ -224,6 +229,31 @@ def greedy(items: Sequence[Piece], tensors: Sequence[Tensor], order: Sequence[in
     return parts
 
 
+def refine(parts: List[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+           profile: Profile, rounds: int = REFINE_ROUNDS) -> List[Partition]:
+    """``parts`` improved by local search: the best of splitting one partition where a
+    layer ends, or merging two neighbours, while that lowers the modelled T (in the
+    better issue order) and for at most ``rounds`` moves."""
+    def score(candidate):
+        return min(simulate(candidate, tensors, order, profile, issue)
+                   for issue in (reverse(candidate), by_priority(candidate, tensors, order, profile)))
+
+    best = score(parts)
+    for _ in range(rounds):
+        moves = [parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:] for i in range(len(parts) - 1)]
+        for i, part in enumerate(parts):
+            for j in range(1, len(part)):
+                if tensors[part[j].tensor].layer != tensors[part[j - 1].tensor].layer:
+                    moves.append(parts[:i] + [part[:j], part[j:]] + parts[i + 1:])
+        if not moves:
+            break
+        value, move = min(((score(m), m) for m in moves), key=lambda vm: vm[0])
+        if value >= best * (1 - 1e-6):
+            break
+        best, parts = value, move
+    return parts
+
+
 def by_layer(items: Sequence[Piece], tensors: Sequence[Tensor]) -> List[Partition]:
     """One partition per layer (the layerwise schedule)."""
     parts: List[List[Piece]] = []
@@ -272,6 +302,8 @@ def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, gr
         raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")
     candidates = [greedy(items, tensors, order, profile, lam) for lam in LAMBDAS]
     candidates += [by_layer(items, tensors), [tuple(items)]]
+    first = min(candidates, key=lambda parts: simulate(parts, tensors, order, profile))
+    candidates.append(refine(list(first), tensors, order, profile))
     scored = []
     for i, parts in enumerate(candidates):
         for issue in (reverse(parts), by_priority(parts, tensors, order, profile)):

@@ -132,7 +132,8 @@ def main():
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
               f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
     print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
-          f"{'eff':>5} {'parts':>5} {'model':>6} {'vs dflt':>7} {'vs lw':>6} {'/bound':>6} {'ceiling':>7}")
+          f"{'eff':>5} {'parts':>5} {'model':>6} {'vs dflt':>7} {'vs lw':>6} {'/bound':>6} "
+          f"{'ceiling':>7}")
     for r in rows:
         print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "

@@ -235,12 +235,13 @@ def refine(parts: List[Partition], tensors: Sequence[Tensor], order: Sequence[in
     layer ends, or merging two neighbours, while that lowers the modelled T (in the
     better issue order) and for at most ``rounds`` moves."""
     def score(candidate):
-        return min(simulate(candidate, tensors, order, profile, issue)
-                   for issue in (reverse(candidate), by_priority(candidate, tensors, order, profile)))
+        return min(simulate(candidate, tensors, order, profile, issue) for issue in
+                   (reverse(candidate), by_priority(candidate, tensors, order, profile)))
 
     best = score(parts)
     for _ in range(rounds):
-        moves = [parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:] for i in range(len(parts) - 1)]
+        moves = [parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+                 for i in range(len(parts) - 1)]
         for i, part in enumerate(parts):
             for j in range(1, len(part)):
                 if tensors[part[j].tensor].layer != tensors[part[j - 1].tensor].layer:
@@ -271,7 +272,7 @@ class Plan:
     order: List[int]           # layers in forward order
     predicted_s: float = 0.0   # modelled step time (0: not planned from a profile)
     version: int = 0           # how many plans came before (names the partitions' messages)
-    issue: List[int] = None    # the order partitions are issued in (default K..1)
+    issue: Optional[List[int]] = None    # the order partitions are issued in (default K..1)
 
     def __post_init__(self):
         if self.issue is None:
@@ -294,9 +295,9 @@ class Plan:
 
 def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, grain: int,
            version: int = 0, current: Optional[Plan] = None) -> Plan:
-    """The best of the greedy plans (and layerwise, and one partition), each in both
-    issue orders, by modelled T; ``current`` (the running plan) unless the best models
-    ``KEEP`` faster than it."""
+    """The best of the greedy plans (and layerwise, one partition, and the best greedy
+    plan refined), each in both issue orders, by modelled T; ``current`` (the running
+    plan) unless the best models ``KEEP`` faster than it."""
     items = pieces(tensors, order, grain)
     if not items:
         raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")

@@ -22,9 +22,10 @@ transfers a partition makes one after the other (``plan``'s cost model).
   link (timed transfers: under ``--link``, the emulated link's times), calibrates alpha
   to the profiled step time (``plan.calibrate``) and plans (``plan.choose``: the
   partitions and their issue order; a re-plan keeps the running plan unless the new one
-  models clearly faster) on the first rank, whose plan every rank adopts (``agree``). Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the
-  mean step time with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative)
-  every rank profiles and plans again. A plan changes only with nothing in flight.
+  models clearly faster) on the first rank, whose plan every rank adopts (``agree``).
+  Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
+  with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
+  profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
   (spent waiting for partitions in forward and at ``step``). On the timeline
   (``--timeline``): each partition from issue to arrival, and each forward's wait.

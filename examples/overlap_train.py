@@ -98,7 +98,8 @@ def train(schedule: str, args) -> dict:
     return dict(step_s=statistics.median(times[warm:]),
                 exposed_s=statistics.median(counters["exposed_s"][warm - 1:] if counters
                                             else waits[warm:]),
-                partitions=counters["partitions"] if counters else 1)
+                partitions=counters["partitions"] if counters else 1,
+                predicted_s=counters["predicted_step_s"] if counters else 0.0)
 
 
 def main():
@@ -133,7 +134,7 @@ def main():
     rows = [dict(schedule=s, ps=args.ps, workers=pycoll.size(),
                  step_s=statistics.median(r["step_s"] for r in rs),
                  exposed_s=statistics.median(r["exposed_s"] for r in rs),
-                 partitions=rs[-1]["partitions"],
+                 partitions=rs[-1]["partitions"], predicted_s=rs[-1]["predicted_s"],
                  compute_s=3 * sum(layer.seconds for layer in probe),
                  bytes=sum(p.numel() * p.element_size() for p in probe.parameters()))
             for s, rs in runs.items()]

@@ -86,6 +86,96 @@ def test_calibration_makes_the_model_give_the_measured_step_time():
     assert len(planner.choose(TENSORS, ORDER, slower, 64 << 10).parts) < len(layerwise)
 
 
+def test_priority_order_lets_what_the_next_forward_needs_overtake_the_backlog():
+    """Four equal partitions, layer 3's ready first: K..1 sends the first layer's last,
+    behind the backlog; by priority it overtakes what is still waiting, and the next
+    forward overlaps the rest."""
+    four = [Tensor(1, 1000, layer) for layer in range(4)]
+    parts = [((Piece(i, 0, 1),)) for i in range(4)]
+    profile = Profile([1.0] * 4, [0.5] * 4, 0.0, 1000 / 2.0)     # a transfer: 2 s
+    issue = planner.by_priority(parts, four, [0, 1, 2, 3], profile)
+    assert issue == [3, 0, 1, 2]            # 3 goes at 0.5; at 2.5 all are ready: 0 first
+    # K..1: 0 arrives last, at 8.5, then four forwards.
+    assert planner.simulate(parts, four, [0, 1, 2, 3], profile) == pytest.approx(12.5)
+    # By priority: 0 arrives at 4.5, 1 at 6.5 (forward 0 ended at 5.5), 2 at 8.5, 3 is in.
+    assert planner.simulate(parts, four, [0, 1, 2, 3], profile, issue) == pytest.approx(10.5)
+    best = planner.choose(four, [0, 1, 2, 3], profile, 1000)
+    assert best.issue == issue and best.predicted_s == pytest.approx(10.5)
+    assert planner.Plan.from_json(best.to_json()) == best
+    with pytest.raises(ValueError, match="is not an order"):
+        planner.Plan(parts, [0, 1, 2, 3], issue=[3, 0, 1, 1])
+
+
+def test_a_replan_keeps_the_running_plan_unless_the_new_one_is_clearly_faster():
+    profile = _profile(50e-6, 125e6)
+    best = planner.choose(TENSORS, ORDER, profile, 64 << 10)
+    items = planner.pieces(TENSORS, ORDER, 64 << 10)
+    one = planner.Plan([tuple(items)], ORDER)                   # far slower: replaced
+    assert planner.choose(TENSORS, ORDER, profile, 64 << 10, current=one).parts == best.parts
+    same = planner.choose(TENSORS, ORDER, profile, 64 << 10, version=4, current=best)
+    assert (same.parts, same.issue, same.version) == (best.parts, best.issue, 4)
+    # A profile 5% off (noise) models another plan a little faster: the running one stays.
+    noisy = _profile(50e-6, 125e6, compute=1.05e-3)
+    assert planner.choose(TENSORS, ORDER, noisy, 64 << 10).parts != best.parts
+    assert planner.choose(TENSORS, ORDER, noisy, 64 << 10, current=best).parts == best.parts
+
+
+def test_refine_splits_a_large_layer_from_the_small_ones_backward_finishes_later():
+    """Layers 1-4 are small and finish backward after the large layer 5: merged with
+    them, its transfer waits for them; local search gives it a partition of its own."""
+    tensors = [Tensor(16, 256, layer) for layer in range(5)] + [Tensor(256, 4096, 5)] + \
+        [Tensor(16, 256, layer) for layer in range(6, 9)]
+    order = list(range(9))
+    profile = Profile([1e-3] * 9, [2e-3] * 9, 1e-3, 125e6 / 4, stages=2)
+    layers = planner.by_layer(planner.pieces(tensors, order, 1 << 30), tensors)
+    merged = [layers[0], sum(layers[1:6], ()), sum(layers[6:], ())]
+    refined = planner.refine(merged, tensors, order, profile)
+    planner.check_cover(refined, tensors)
+    assert [[tensors[p.tensor].layer for p in part] for part in refined] == \
+        [[0], [1, 2], [3, 4], [5], [6, 7, 8]]
+
+    def best(parts):
+        return min(planner.simulate(parts, tensors, order, profile, issue) for issue in
+                   (planner.reverse(parts), planner.by_priority(parts, tensors, order, profile)))
+    assert best(refined) < best(merged)
+
+
+class _Recording:
+    """A transport that only records what the schedule asks of it."""
+    stages = 1
+
+    def __init__(self, pieces):
+        self.log = []
+
+    def adopt(self, plan):
+        pass
+
+    def issue(self, k, part):
+        self.log.append(("issue", k))
+        return k
+
+    def complete(self, k, handle):
+        self.log.append(("complete", k))
+
+
+def test_partitions_go_in_the_plans_issue_order_and_forward_waits_for_its_own():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    s = sched.Schedule(model, list(model.parameters()), "layerwise", _Recording, lambda t: t)
+    try:
+        s._install(planner.Plan(s.plan.parts, s.plan.order, issue=[3, 0, 1, 2]))
+        model(torch.ones(2, 4)).sum().backward()
+        s.step()                                   # the end of backward: the rest go
+        assert [k for what, k in s.transport.log if what == "issue"] == [3, 0, 1, 2]
+        s.transport.log.clear()
+        model[0](torch.ones(2, 4))                 # layer 0 waits for partition 0 only
+        assert s.transport.log == [("complete", 0)]
+        s.finish()                                 # the others, in issue order
+        assert s.transport.log == [("complete", 0), ("complete", 3), ("complete", 1),
+                                   ("complete", 2)]
+    finally:
+        s.remove()
+
+
 def test_pack_rows_round_trips_strided_and_partial_rows():
     a = np.arange(24, dtype=np.float32).reshape(6, 4)
     strided = np.arange(40, dtype=np.float64).reshape(10, 4)[::2, :3]  # rows 32 bytes apart

@@ -9,7 +9,8 @@ schedule=...)``):
   each layer waits for that layer's parameters (PS) or update (allreduce) only.
 - ``"ipart"``: iPart (TPDS 2021): partitions of rows, small layers merged and large
   tensors split, sized by a greedy planner from profiled compute and the link's cost
-  (``plan``), run as layerwise runs layers (``schedule``).
+  and issued in an order that lets what the next forward needs first overtake the
+  backlog (``plan``), run as layerwise runs layers (``schedule``).
 
 ``plan`` is the planner (pure Python, its cost model in its docstring), ``schedule`` the
 hooks and the partitions in flight, ``transports`` what a partition's transfer is.

@@ -14,11 +14,12 @@ F_l, backward time B_l, measured):
   its pull: the two directions of the links, so the pull of one partition overlaps the
   push of the next); alpha and beta are fitted to transfers timed when planning (under
   ``--link``, the emulated link's times).
-- Backward runs L..1. Partition k may go once every layer it holds pieces of is done
-  backward; partitions go one at a time in the order K..1 (every rank the same order)
-  through each stage, so partition k enters a stage at max(its end of the stage before
-  (ready_k for the first), the end of partition k+1 in this stage) and leaves it c(P_k)
-  later.
+- Backward runs L..1. Partition k is ready once every layer it holds pieces of is done
+  backward. Partitions are issued in the plan's issue order (every rank the same order;
+  a partition is issued once it is ready and the one before it in the order is issued)
+  and go one at a time through each stage in that order, so a partition enters a stage
+  at max(its end of the stage before (its issue for the first), the end of the
+  partition before it in this stage) and leaves it c(P) later.
 - The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
   holding its pieces has arrived. Step time T = the end of the last forward, counted from
   the start of backward. K = 1 is the default schedule, T = B + stages * c(all) + F; the
@@ -32,6 +33,22 @@ layer's bytes): its transfer hides behind that compute on the way back and again
 way forward. It always takes at least one piece. lambda trades messages (alpha each)
 against exposed time: the planner builds plans for lambda in ``LAMBDAS``, adds one
 partition per layer and one for everything, and keeps the plan whose modelled T is least.
+The greedy cuts by compute alone, so it can merge a large layer with small ones that
+finish backward later, whose transfer then waits for them; ``refine`` (local search:
+split a partition where a layer ends, or merge two neighbours, best move first, while T
+falls) starts from the best greedy plan and is one more candidate.
+
+Issue order (ByteScheduler's priorities, made static so that every rank issues alike):
+backward makes the partitions ready in the order K..1, but the next forward needs P_1
+first, so K..1 puts all of the link's backlog at the end of backward in front of it.
+``by_priority`` instead lets the first stage, whenever it frees, take the ready
+partition with the lowest index (the earliest ready if none is); partitions ready late
+then overtake the backlog, and the next forward overlaps what is left. Each plan is
+scored in both orders, K..1 and by priority, and keeps the better.
+
+Damping: a re-plan keeps the running partitions and order unless the new plan's
+modelled T is at least ``KEEP`` (relative) below theirs under the same new profile, so
+that noise in the profile does not change the plan from one re-plan to the next.
 
 Calibration: a transfer costs more per partition than a timed probe shows (a BSP round
 waits for every worker's push; each message has software costs). So alpha is raised
@@ -40,9 +57,11 @@ running (``calibrate``); a link that hides nothing then plans few partitions.
 """
 import json
 from dataclasses import dataclass, replace
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 LAMBDAS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+KEEP = 0.05             # a re-plan must model this much (relative) faster to replace
+REFINE_ROUNDS = 16      # local-search moves on the best greedy plan
 
 
 class Tensor(NamedTuple):
@@ -112,21 +131,50 @@ def check_cover(parts: Sequence[Partition], tensors: Sequence[Tensor]) -> None:
             raise ValueError(f"pycoll.overlap: tensor {index}'s rows {edge}..{t.rows} are missing")
 
 
-def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
-             profile: Profile) -> float:
-    """The modelled step time T of ``parts`` (see the module's docstring)."""
+def ready_times(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+                profile: Profile) -> Tuple[List[float], float]:
+    """When backward has made each partition ready, and when backward ends."""
     done, t = {}, 0.0
     for layer in reversed(order):
         t += profile.backward[layer]
         done[layer] = t
-    backward_end, free = t, [0.0] * profile.stages     # when each stage is next free
+    return [max(done[tensors[p.tensor].layer] for p in part) for part in parts], t
+
+
+def reverse(parts: Sequence[Partition]) -> List[int]:
+    """The issue order K..1: as backward makes them ready."""
+    return list(reversed(range(len(parts))))
+
+
+def by_priority(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+                profile: Profile) -> List[int]:
+    """The issue order of the first stage taking, whenever it frees, the ready partition
+    the next forward needs first (see the module's docstring)."""
+    ready, _ = ready_times(parts, tensors, order, profile)
+    left, t, out = set(range(len(parts))), 0.0, []
+    while left:
+        now = [k for k in left if ready[k] <= t]
+        k = min(now) if now else min(left, key=lambda k: (ready[k], k))
+        t = max(t, ready[k]) + profile.alpha + nbytes(parts[k], tensors) / profile.beta
+        out.append(k)
+        left.remove(k)
+    return out
+
+
+def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+             profile: Profile, issue: Optional[Sequence[int]] = None) -> float:
+    """The modelled step time T of ``parts`` issued in the order ``issue`` (default
+    K..1; see the module's docstring)."""
+    ready, backward_end = ready_times(parts, tensors, order, profile)
+    free = [0.0] * profile.stages     # when each stage is next free
     arrived = {layer: 0.0 for layer in order}
-    for part in reversed(parts):
-        end = max(done[tensors[p.tensor].layer] for p in part)
+    issued = 0.0
+    for k in (reverse(parts) if issue is None else issue):
+        end = issued = max(issued, ready[k])
         for stage in range(profile.stages):
             end = free[stage] = max(end, free[stage]) + profile.alpha + \
-                nbytes(part, tensors) / profile.beta
-        for p in part:
+                nbytes(parts[k], tensors) / profile.beta
+        for p in parts[k]:
             layer = tensors[p.tensor].layer
             arrived[layer] = max(arrived[layer], end)
     t = backward_end
@@ -136,11 +184,12 @@ def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Seque
 
 
 def calibrate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
-              profile: Profile, measured: float) -> Profile:
+              profile: Profile, measured: float, issue: Optional[Sequence[int]] = None) -> Profile:
     """``profile`` with the least alpha (not below its own) for which the modelled step
-    time of ``parts`` reaches ``measured``, a step time measured running ``parts``."""
+    time of ``parts`` issued in the order ``issue`` reaches ``measured``, a step time
+    measured running them."""
     def modelled(alpha: float) -> float:
-        return simulate(parts, tensors, order, replace(profile, alpha=alpha))
+        return simulate(parts, tensors, order, replace(profile, alpha=alpha), issue)
     low, high = profile.alpha, max(profile.alpha, measured)
     if modelled(low) >= measured:
         return profile
@@ -180,6 +229,32 @@ def greedy(items: Sequence[Piece], tensors: Sequence[Tensor], order: Sequence[in
     return parts
 
 
+def refine(parts: List[Partition], tensors: Sequence[Tensor], order: Sequence[int],
+           profile: Profile, rounds: int = REFINE_ROUNDS) -> List[Partition]:
+    """``parts`` improved by local search: the best of splitting one partition where a
+    layer ends, or merging two neighbours, while that lowers the modelled T (in the
+    better issue order) and for at most ``rounds`` moves."""
+    def score(candidate):
+        return min(simulate(candidate, tensors, order, profile, issue) for issue in
+                   (reverse(candidate), by_priority(candidate, tensors, order, profile)))
+
+    best = score(parts)
+    for _ in range(rounds):
+        moves = [parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]
+                 for i in range(len(parts) - 1)]
+        for i, part in enumerate(parts):
+            for j in range(1, len(part)):
+                if tensors[part[j].tensor].layer != tensors[part[j - 1].tensor].layer:
+                    moves.append(parts[:i] + [part[:j], part[j:]] + parts[i + 1:])
+        if not moves:
+            break
+        value, move = min(((score(m), m) for m in moves), key=lambda vm: vm[0])
+        if value >= best * (1 - 1e-6):
+            break
+        best, parts = value, move
+    return parts
+
+
 def by_layer(items: Sequence[Piece], tensors: Sequence[Tensor]) -> List[Partition]:
     """One partition per layer (the layerwise schedule)."""
     parts: List[List[Piece]] = []
@@ -197,28 +272,46 @@ class Plan:
     order: List[int]           # layers in forward order
     predicted_s: float = 0.0   # modelled step time (0: not planned from a profile)
     version: int = 0           # how many plans came before (names the partitions' messages)
+    issue: Optional[List[int]] = None    # the order partitions are issued in (default K..1)
+
+    def __post_init__(self):
+        if self.issue is None:
+            self.issue = reverse(self.parts)
+        if sorted(self.issue) != list(range(len(self.parts))):
+            raise ValueError(f"pycoll.overlap: issue order {self.issue} is not an order of "
+                             f"the {len(self.parts)} partitions")
 
     def to_json(self) -> str:
         return json.dumps(dict(parts=[[list(p) for p in part] for part in self.parts],
                                order=self.order, predicted_s=self.predicted_s,
-                               version=self.version))
+                               version=self.version, issue=self.issue))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         return cls([tuple(Piece(*p) for p in part) for part in d["parts"]], d["order"],
-                   d["predicted_s"], d["version"])
+                   d["predicted_s"], d["version"], d["issue"])
 
 
 def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, grain: int,
-         version: int = 0) -> Plan:
-    """The best of the greedy plans (and layerwise, and one partition) by modelled T."""
+           version: int = 0, current: Optional[Plan] = None) -> Plan:
+    """The best of the greedy plans (and layerwise, one partition, and the best greedy
+    plan refined), each in both issue orders, by modelled T; ``current`` (the running
+    plan) unless the best models ``KEEP`` faster than it."""
     items = pieces(tensors, order, grain)
     if not items:
         raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")
     candidates = [greedy(items, tensors, order, profile, lam) for lam in LAMBDAS]
     candidates += [by_layer(items, tensors), [tuple(items)]]
-    scored = [(simulate(parts, tensors, order, profile), len(parts), i)
-              for i, parts in enumerate(candidates)]
-    best, _, index = min(scored)
-    return Plan(candidates[index], list(order), best, version)
+    first = min(candidates, key=lambda parts: simulate(parts, tensors, order, profile))
+    candidates.append(refine(list(first), tensors, order, profile))
+    scored = []
+    for i, parts in enumerate(candidates):
+        for issue in (reverse(parts), by_priority(parts, tensors, order, profile)):
+            scored.append((simulate(parts, tensors, order, profile, issue), len(parts), i, issue))
+    best, _, index, issue = min(scored)
+    if current is not None and current.order == list(order):
+        kept = simulate(current.parts, tensors, order, profile, current.issue)
+        if best > (1 - KEEP) * kept:
+            return Plan(current.parts, list(order), kept, version, current.issue)
+    return Plan(candidates[index], list(order), best, version, issue)

@@ -9,9 +9,10 @@ in). ``probe(nbytes)`` times one blocking transfer of that many bytes (every ran
 it together), so the planner can fit alpha and beta; ``stages`` is how many such
 transfers a partition makes one after the other (``plan``'s cost model).
 
-- Backward: a hook on every parameter notes its gradient; partition k is issued once
-  every tensor it holds rows of has its gradient and partitions K..k+1 are issued, so
-  every rank issues them in the same order K..1 (for "default", all at ``step``).
+- Backward: a hook on every parameter notes its gradient; a partition is issued once
+  every tensor it holds rows of has its gradient and the partitions before it in the
+  plan's issue order are issued, so every rank issues them in the same order (for
+  "default", all at ``step``).
 - Forward: a pre-hook on every layer (module with parameters of its own) completes the
   partitions holding that layer's rows, and only those, before the layer runs; the
   other partitions stay in flight. "default" completes everything at ``step``.
@@ -19,12 +20,15 @@ transfers a partition makes one after the other (``plan``'s cost model).
   "ipart" starts layerwise, profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (per-layer
   forward and backward times, measured between the hooks, and step times), probes the
   link (timed transfers: under ``--link``, the emulated link's times), calibrates alpha
-  to the profiled step time (``plan.calibrate``) and plans (``plan.choose``) on the
-  first rank, whose plan every rank adopts (``agree``). Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the
-  mean step time with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative)
-  every rank profiles and plans again. A plan changes only with nothing in flight.
+  to the profiled step time (``plan.calibrate``) and plans (``plan.choose``: the
+  partitions and their issue order; a re-plan keeps the running plan unless the new one
+  models clearly faster) on the first rank, whose plan every rank adopts (``agree``).
+  Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
+  with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
+  profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
-  (spent waiting for partitions in forward and at ``step``).
+  (spent waiting for partitions in forward and at ``step``). On the timeline
+  (``--timeline``): each partition from issue to arrival, and each forward's wait.
 """
 import atexit
 import collections
@@ -130,7 +134,7 @@ class Schedule:
                            registration))
         self._ready = [False] * len(self.params)
         self._in_flight: Dict[int, tuple] = {}         # partition -> (handle, issued at)
-        self._next = len(self.plan.parts) - 1           # the next partition to issue
+        self._next = 0                                  # the next to issue: plan.issue[_next]
         self._step, self._last_step_at = 0, None
         self._exposed = 0.0
         self.history = collections.deque(maxlen=HISTORY)   # (step_s, exposed_s)
@@ -185,18 +189,22 @@ class Schedule:
                               self.transport.stages)
             if self._profiled_steps:
                 profile = planner.calibrate(self.plan.parts, self.tensors, self.plan.order,
-                                            profile, statistics.median(self._profiled_steps))
+                                            profile, statistics.median(self._profiled_steps),
+                                            self.plan.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
-                                self.plan.version + 1).to_json()
+                                  self.plan.version + 1, self.plan).to_json()
         return Plan.from_json(self.agree(text))
 
     def _probe(self) -> Tuple[float, float]:
         """alpha and beta fitted to timed transfers of 8 bytes and of the model's bytes
-        (capped at 4 MiB), three of each, medians."""
+        (capped at 4 MiB), three of each, the least of each (noise only adds). The
+        bytes' share of the large one is taken as at least a quarter of it: on a busy
+        host the two times can differ by noise alone, and a difference near zero makes
+        beta unbounded (partitions then look free)."""
         large = max(64 << 10, min(4 << 20, sum(t.rows * t.row_bytes for t in self.tensors)))
-        small_s = statistics.median(self.transport.probe(8) for _ in range(3))
-        large_s = statistics.median(self.transport.probe(large) for _ in range(3))
-        return small_s, max(large - 8, 1) / max(large_s - small_s, 1e-9)
+        small_s = min(self.transport.probe(8) for _ in range(3))
+        large_s = min(self.transport.probe(large) for _ in range(3))
+        return small_s, max(large - 8, 1) / max(large_s - small_s, large_s / 4, 1e-9)
 
     # ------------------------------------------------------------ backward
     def _make_grad_ready(self, i: int):
@@ -210,11 +218,12 @@ class Schedule:
         return ready
 
     def _issue(self, may: Callable[[int], bool]) -> None:
-        while self._next >= 0 and may(self._next):
-            k = self._next
+        issue = self.plan.issue
+        while self._next < len(issue) and may(issue[self._next]):
+            k = issue[self._next]
             self._in_flight[k] = (self.transport.issue(k, self.plan.parts[k]),
                                   timeline.now() if timeline.on else 0.0)
-            self._next -= 1
+            self._next += 1
 
     def step(self) -> None:
         """The end of backward: issue what is left (unused parameters' rows as zeros);
@@ -226,7 +235,7 @@ class Schedule:
         if self.kind == "default":
             self.finish()
         self._ready = [False] * len(self.params)
-        self._next = len(self.plan.parts) - 1
+        self._next = 0
         if self._last_step_at is not None:
             self.history.append((time.perf_counter() - self._last_step_at, self._exposed))
             if self._profiling and self._step > 1:
@@ -256,7 +265,7 @@ class Schedule:
                 self.finish()
                 new = self._planned()
                 self._install(new)
-                self._next = len(self.plan.parts) - 1
+                self._next = 0
                 self._profiling, self._baseline = False, None
                 self._since_plan = 0
             return
@@ -280,10 +289,12 @@ class Schedule:
         def pre_forward(module, inputs):
             waiting = [k for k in self._needs[layer] if k in self._in_flight]
             if waiting:
-                start = time.perf_counter()
+                start, began = time.perf_counter(), timeline.now() if timeline.on else 0.0
                 for k in waiting:
                     self._complete(k)
                 self._exposed += time.perf_counter() - start
+                if timeline.on:      # exposed communication: this layer's forward waited
+                    timeline.interval(f"layer {layer} waits", "ipart", began, partitions=waiting)
             if self._profiling:
                 if layer not in self._forward_order:
                     self._forward_order.append(layer)
@@ -313,7 +324,7 @@ class Schedule:
     def finish(self) -> None:
         """Complete everything in flight, in issue order (e.g. before evaluating)."""
         start = time.perf_counter()
-        for k in sorted(self._in_flight, reverse=True):
+        for k in [k for k in self.plan.issue if k in self._in_flight]:
             self._complete(k)
         self._exposed += time.perf_counter() - start
 

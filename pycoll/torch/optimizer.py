@@ -248,9 +248,13 @@ def _overlap(opt, model, schedule):
         agreed[0] += 1
         return api.broadcast_object(text, root_rank=0, name=f"pycoll.overlap.agree.{agreed[0]}")
 
+    # Grouped, so that the engine sends each partition alone: partitions negotiated in
+    # one cycle would otherwise fuse into one batch, and the next forward's first
+    # partition would wait for the whole batch (the plan already merged what pays).
     def allreduce(buffer, name):
-        return api.allreduce_async_(buffer, name=name, op=opt.op, prescale_factor=opt._prescale,
-                                    postscale_factor=opt._postscale)
+        return api.grouped_allreduce_async_([buffer], name=name, op=opt.op,
+                                            prescale_factor=opt._prescale,
+                                            postscale_factor=opt._postscale)
     return Schedule(model, opt._params, schedule,
                     lambda pieces: Allreduce(opt._params, allreduce, api.synchronize, opt._step_only),
                     agree, first=api.rank() == 0)

@@ -19,26 +19,12 @@
 #include "dtypes.h"
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "py_ref.h"
 #include "partial.h"
 #include "short_path.h"
 
 namespace pycoll::partial_now {
 namespace {
-
-// An owned reference, released when it goes out of scope.
-class Ref {
-   public:
-    explicit Ref(PyObject* p = nullptr) : p_(p) {}
-    Ref(const Ref&) = delete;
-    Ref& operator=(const Ref&) = delete;
-    ~Ref() { Py_XDECREF(p_); }
-    PyObject* get() const { return p_; }
-    PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
-    explicit operator bool() const { return p_ != nullptr; }
-
-   private:
-    PyObject* p_;
-};
 
 struct Bound {
     PyObject *shared = nullptr, *uses = nullptr, *comms = nullptr, *broken = nullptr, *abandoned = nullptr;

@@ -26,25 +26,10 @@
 
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "py_ref.h"
 
 namespace pycoll::short_path {
 namespace {
-
-// An owned reference, released when it goes out of scope.
-class Ref {
-   public:
-    explicit Ref(PyObject* p = nullptr) : p_(p) {}
-    Ref(const Ref&) = delete;
-    Ref& operator=(const Ref&) = delete;
-    ~Ref() { Py_XDECREF(p_); }
-    PyObject* get() const { return p_; }
-    PyObject* release() { PyObject* p = p_; p_ = nullptr; return p; }
-    void reset(PyObject* p) { Py_XDECREF(p_); p_ = p; }
-    explicit operator bool() const { return p_ != nullptr; }
-
-   private:
-    PyObject* p_;
-};
 
 PyObject* none() { Py_RETURN_NONE; }
 

@@ -110,33 +110,9 @@ PyObject* partial_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     r.undefined = static_cast<int>(undefined);
     r.data = ptr(data);
     partial::Outcome out;
-    try {
-        r.dt = parse_dtype(dtype);
-        r.op = parse_op(op);
-    } catch (const std::invalid_argument& error) {
-        PyErr_SetString(PyExc_ValueError, error.what());
-        return nullptr;
-    }
-    PyThreadState* saved = PyEval_SaveThread();
-    try {
-        out = partial::allreduce(r);
-    } catch (const std::exception& error) {  // invalid_argument: what the caller passed
-        PyEval_RestoreThread(saved);
-        PyErr_SetString(dynamic_cast<const std::invalid_argument*>(&error) ? PyExc_ValueError : PyExc_RuntimeError,
-                        error.what());
-        return nullptr;
-    }
-    PyEval_RestoreThread(saved);
-    PyObject* sends = PyList_New(static_cast<Py_ssize_t>(out.sends.size()));
+    if (!partial_now::kinds_of(dtype, op, r.dt, r.op) || !partial_now::exchange(r, out)) return nullptr;
+    PyObject* sends = partial_now::sends_of(out);
     if (!sends) return nullptr;
-    for (size_t i = 0; i < out.sends.size(); ++i) {
-        PyObject* h = PyLong_FromVoidPtr(reinterpret_cast<void*>(out.sends[i]));
-        if (!h) {
-            Py_DECREF(sends);
-            return nullptr;
-        }
-        PyList_SET_ITEM(sends, static_cast<Py_ssize_t>(i), h);
-    }
     return Py_BuildValue("(iiiN)", static_cast<int>(out.status), out.peer, out.error, sends);
 }
 
@@ -282,7 +258,7 @@ PYBIND11_MODULE(_C, m) {
          "compiled call (csrc/partial_now.cpp); the result (x itself in place), or None where the general path must "
          "run it. After partial_bind."},
         {"partial_bind", partial_now::bind, METH_VARARGS,
-         "partial_bind(shared, uses, comms, broken, abandoned, gate, (comm, byte, request_null, undefined, in_place), "
+         "partial_bind(shared, uses, comms, broken, abandoned, (comm, byte, request_null, undefined, in_place), "
          "me, size, tag_ub, spin, route, clone, failed): pycoll.partial's per-world state and callbacks; "
          "partial_bind(None) at shutdown."},
         {"partial_settings", partial_now::configure, METH_VARARGS,

@@ -28,7 +28,7 @@ namespace {
 
 struct Bound {
     PyObject *shared = nullptr, *uses = nullptr, *comms = nullptr, *broken = nullptr, *abandoned = nullptr;
-    PyObject *gate = nullptr, *route = nullptr, *clone = nullptr, *failed = nullptr;
+    PyObject *route = nullptr, *clone = nullptr, *failed = nullptr;
     intptr_t comm = 0, byte_type = 0, request_null = 0, in_place = 0;
     int undefined = 0, me = 0, size = 0;
     long long tag_ub = 0;
@@ -54,7 +54,7 @@ struct Route {
 };
 std::vector<Route> routes;
 
-PyObject *s_claim, *s_release, *s_handle, *s_name;
+PyObject *s_handle, *s_name;
 
 const Route* route_of(PyObject* op, PyObject* x, const char* dtype) {
     for (const Route& r : routes)
@@ -72,14 +72,7 @@ const Route* route_of(PyObject* op, PyObject* x, const char* dtype) {
     Route r{Py_NewRef(op), dtype, 0, 0, static_cast<size_t>(itemsize), average != 0, DType::Float32, Op::Sum};
     r.datatype = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(datatype));
     r.mpi_op = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(mpi_op));
-    if (PyErr_Occurred()) return nullptr;
-    try {
-        r.dt = parse_dtype(name);
-        r.reduce = parse_op(reduce);
-    } catch (const std::invalid_argument& error) {
-        PyErr_SetString(PyExc_ValueError, error.what());
-        return nullptr;
-    }
+    if (PyErr_Occurred() || !kinds_of(name, reduce, r.dt, r.reduce)) return nullptr;
     if (routes.size() >= 64) {  // ops passed as fresh objects each call: start again
         for (Route& old : routes) Py_DECREF(old.op);
         routes.clear();
@@ -133,35 +126,11 @@ bool set_count(PyObject* dict, PyObject* key, long long n) {
     return v && PyDict_SetItem(dict, key, v.get()) == 0;
 }
 
-// The engine's token for this call, given back when it goes out of scope (an error already
-// raised stays raised).
-class Token {
-   public:
-    explicit Token(PyObject* name) {
-        Ref claimed(PyObject_CallMethodOneArg(b.gate, s_claim, name));
-        held_ = claimed.get() == Py_True;
-    }
-    Token(const Token&) = delete;
-    Token& operator=(const Token&) = delete;
-    ~Token() {
-        if (!held_) return;
-        PyObject *type, *value, *trace;
-        PyErr_Fetch(&type, &value, &trace);
-        Ref done(PyObject_CallMethodNoArgs(b.gate, s_release));
-        if (!done) PyErr_WriteUnraisable(b.gate);
-        PyErr_Restore(type, value, trace);
-    }
-    bool held() const { return held_; }
-
-   private:
-    bool held_ = false;
-};
 
 PyObject* none() { Py_RETURN_NONE; }
 
 void unbind() {
-    for (PyObject** held : {&b.shared, &b.uses, &b.comms, &b.broken, &b.abandoned, &b.gate, &b.route, &b.clone,
-                            &b.failed})
+    for (PyObject** held : {&b.shared, &b.uses, &b.comms, &b.broken, &b.abandoned, &b.route, &b.clone, &b.failed})
         Py_CLEAR(*held);
 }
 
@@ -173,19 +142,17 @@ PyObject* bind(PyObject*, PyObject* args) {
         Py_RETURN_NONE;
     }
     Bound n;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O(nnnin)iiLdOOO:partial_bind", &PyDict_Type, &n.shared, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!(nnnin)iiLdOOO:partial_bind", &PyDict_Type, &n.shared, &PyDict_Type,
                           &n.uses, &PyDict_Type, &n.comms, &PyDict_Type, &n.broken, &PyList_Type, &n.abandoned,
-                          &n.gate, &n.comm, &n.byte_type, &n.request_null, &n.undefined, &n.in_place, &n.me, &n.size,
+                          &n.comm, &n.byte_type, &n.request_null, &n.undefined, &n.in_place, &n.me, &n.size,
                           &n.tag_ub, &n.spin, &n.route, &n.clone, &n.failed))
         return nullptr;
-    if (!s_claim) {
-        s_claim = PyUnicode_InternFromString("claim");
-        s_release = PyUnicode_InternFromString("release");
+    if (!s_handle) {
         s_handle = PyUnicode_InternFromString("handle");
         s_name = PyUnicode_InternFromString("partial_allreduce");
-        if (!s_claim || !s_release || !s_handle || !s_name) return nullptr;
+        if (!s_handle || !s_name) return nullptr;
     }
-    for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.gate, n.route, n.clone, n.failed})
+    for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.route, n.clone, n.failed})
         Py_INCREF(held);
     unbind();  // what was bound before
     b = n;
@@ -211,7 +178,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyObject *x = args[0], *ranks = args[2], *op = args[3], *name = args[4] == Py_None ? s_name : args[4];
     const bool inplace = args[1] == Py_True;
     // Failed rounds leave state (sends still reading, broken groups) the general path handles.
-    if (!settings.enabled || !b.gate || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken))
+    if (!settings.enabled || !b.shared || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken))
         Py_RETURN_NONE;
     std::vector<int> members;
     size_t me;
@@ -247,7 +214,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (PyErr_Occurred()) return nullptr;
         if (count > INT32_MAX) Py_RETURN_NONE;
     }
-    Token token(name);
+    short_path::Token token(name, s_name);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
 
     // Counted before anything can fail: every member counts every round issued to it.
@@ -277,33 +244,52 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         r.me = me, r.data = data, r.count = count, r.dt = route.dt, r.op = route.reduce, r.scale = scale;
         r.chunk_bytes = settings.chunk_bytes, r.direct_bytes = settings.direct_bytes;
         r.doubling_from = settings.doubling_from, r.timeout = settings.timeout, r.spin = b.spin;
-        std::string refused;
-        bool invalid = false;
-        Py_BEGIN_ALLOW_THREADS
-        try {
-            outcome = partial::allreduce(r);
-        } catch (const std::exception& error) {
-            refused = error.what();
-            invalid = dynamic_cast<const std::invalid_argument*>(&error) != nullptr;  // settings out of range
-        }
-        Py_END_ALLOW_THREADS
-        if (!refused.empty()) {
-            PyErr_SetString(invalid ? PyExc_ValueError : PyExc_RuntimeError, refused.c_str());
-            return nullptr;
-        }
+        if (!exchange(r, outcome)) return nullptr;
     }
     if (outcome.status == partial::Outcome::Done) return out.release();
-    Ref sends(PyList_New(static_cast<Py_ssize_t>(outcome.sends.size())));
-    for (size_t i = 0; sends && i < outcome.sends.size(); ++i) {
-        PyObject* h = PyLong_FromVoidPtr(reinterpret_cast<void*>(outcome.sends[i]));
-        if (!h) return nullptr;
-        PyList_SET_ITEM(sends.get(), static_cast<Py_ssize_t>(i), h);
-    }
+    Ref sends(sends_of(outcome));
     if (!sends) return nullptr;
     Ref raised(PyObject_CallFunction(b.failed, "OOOiiiO", key.get(), name, out.get(), static_cast<int>(outcome.status),
                                      outcome.peer, outcome.error, sends.get()));
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "partial_allreduce failed");
     return nullptr;
+}
+
+bool kinds_of(const char* dtype, const char* op, DType& dt, Op& reduce) {
+    try {
+        dt = parse_dtype(dtype);
+        reduce = parse_op(op);
+    } catch (const std::invalid_argument& error) {
+        PyErr_SetString(PyExc_ValueError, error.what());
+        return false;
+    }
+    return true;
+}
+
+bool exchange(const partial::Round& r, partial::Outcome& out) {
+    std::string refused;
+    bool invalid = false;
+    Py_BEGIN_ALLOW_THREADS
+    try {
+        out = partial::allreduce(r);
+    } catch (const std::exception& error) {
+        refused = error.what();
+        invalid = dynamic_cast<const std::invalid_argument*>(&error) != nullptr;  // settings out of range
+    }
+    Py_END_ALLOW_THREADS
+    if (refused.empty()) return true;
+    PyErr_SetString(invalid ? PyExc_ValueError : PyExc_RuntimeError, refused.c_str());
+    return false;
+}
+
+PyObject* sends_of(const partial::Outcome& out) {
+    Ref sends(PyList_New(static_cast<Py_ssize_t>(out.sends.size())));
+    for (size_t i = 0; sends && i < out.sends.size(); ++i) {
+        PyObject* h = PyLong_FromVoidPtr(reinterpret_cast<void*>(out.sends[i]));
+        if (!h) return nullptr;
+        PyList_SET_ITEM(sends.get(), static_cast<Py_ssize_t>(i), h);
+    }
+    return sends.release();
 }
 
 }  // namespace pycoll::partial_now

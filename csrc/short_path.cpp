@@ -404,32 +404,6 @@ int rank_in(const Target& t) {
 // Whether the short path may run at all now.
 bool active() { return fn.ready && settings.enabled && world.gate && mpi::bound(); }
 
-// The engine's token for one operation, given back when it goes out of scope (an error
-// already raised stays raised).
-class Token {
-   public:
-    Token(PyObject* name, PyObject* kind) : gate_(world.gate) {  // bind(None) may run meanwhile: ours
-        Py_XINCREF(gate_);
-        held_ = gate_ && claim(gate_, name == Py_None ? kind : name);
-    }
-    Token(const Token&) = delete;
-    Token& operator=(const Token&) = delete;
-    ~Token() {
-        if (held_) {
-            PyObject *type, *value, *trace;
-            PyErr_Fetch(&type, &value, &trace);
-            if (release(gate_) < 0) PyErr_WriteUnraisable(reinterpret_cast<PyObject*>(gate_));
-            PyErr_Restore(type, value, trace);
-        }
-        Py_XDECREF(gate_);
-    }
-    bool held() const { return held_; }
-
-   private:
-    Gate* gate_;
-    bool held_;
-};
-
 // MPI's error code as mpi4py's exception; nullptr.
 PyObject* mpi_failed(int code) {
     Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
@@ -505,6 +479,21 @@ int read_rows(PyObject* x, PyObject* op, PyObject* group, bool need_dim0, Rows& 
 int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
 
 }  // namespace
+
+Token::Token(PyObject* name, PyObject* kind) : gate_(reinterpret_cast<PyObject*>(world.gate)) {
+    Py_XINCREF(gate_);
+    held_ = gate_ && claim(reinterpret_cast<Gate*>(gate_), name == Py_None ? kind : name);
+}
+
+Token::~Token() {
+    if (held_) {
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        if (release(reinterpret_cast<Gate*>(gate_)) < 0) PyErr_WriteUnraisable(gate_);
+        PyErr_Restore(type, value, trace);
+    }
+    Py_XDECREF(gate_);
+}
 
 bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {

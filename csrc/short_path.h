@@ -39,4 +39,20 @@ PyObject* host_pointers(PyObject*, PyObject* xs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 
+// The engine's token for one compiled call (this path's and partial_now's), given back when
+// it goes out of scope (an error already raised stays raised). Not held while work issued
+// earlier is queued or running (that runs first), nor with no Gate bound.
+class Token {
+   public:
+    Token(PyObject* name, PyObject* kind);  // name, or kind where name is None, shows as running
+    Token(const Token&) = delete;
+    Token& operator=(const Token&) = delete;
+    ~Token();
+    bool held() const { return held_; }
+
+   private:
+    PyObject* gate_;  // ours: short_path_bind(None) may run meanwhile
+    bool held_;
+};
+
 }  // namespace pycoll::short_path

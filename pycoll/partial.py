@@ -95,7 +95,7 @@ class _Cache:
         self.spin = SPIN_S if runtime.local_size() <= (os.cpu_count() or 1) else 0.0
         if self.compiled:                # the compiled entry counts in the same dicts
             _C.partial_bind(self.shared, self.uses, self.comms, self.broken, _abandoned,
-                            runtime.engine().gate, self.handles + (int(MPI.IN_PLACE),),
+                            self.handles + (int(MPI.IN_PLACE),),
                             self.me, self.size, self.tag_ub, self.spin, _route, tensors.clone,
                             _failed)
 

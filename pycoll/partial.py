@@ -30,7 +30,8 @@ source, so other pairs' tags do not matter.)
 
 A blocking call on a contiguous host tensor, made while the engine is idle and with
 checks, ``--link`` and the timeline off, is one compiled call (``_C.partial_now``,
-csrc/partial_now.cpp): it reads the tensor, counts the round in this module's own dicts
+csrc/partial_now.cpp): it reads the tensor and routes its (op, dtype) as the collectives'
+short path does (its reader and its table), counts the round in this module's own dicts
 (``_Cache``: uses, rounds per peer) by the same rules, and runs the exchange or the
 cached communicator's Allreduce without the GIL; anything else it leaves to ``_plan``.
 

@@ -139,8 +139,10 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject *x = args[0], *ranks = args[2], *op = args[3], *name = args[4] == Py_None ? s_name : args[4];
     const bool inplace = args[1] == Py_True;
-    // Failed rounds leave state (sends still reading, broken groups) the general path handles.
-    if (!settings.enabled || !b.shared || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken))
+    // Failed rounds leave state (sends still reading, broken groups) the general path
+    // handles; so does op None, which it refuses.
+    if (!settings.enabled || !b.shared || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken) ||
+        op == Py_None)
         Py_RETURN_NONE;
     std::vector<int> members;
     size_t me;
@@ -152,9 +154,8 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     short_path::Host host;
     const short_path::Route* found = nullptr;  // the short path's, asked once per op and dtype
     if (int read = short_path::read_routed(out.get(), true, op, host, found))
-        return read < 0 ? nullptr : none();  // GPU, strided, read-only, odd op: the general path's
+        return read < 0 ? nullptr : none();  // GPU, strided, read-only, unhashable op: the general path's
     const short_path::Route& route = *found;  // kept by the short path until it is set up again
-    if (route.op == 0) Py_RETURN_NONE;  // no reduction (op None): the general path says so
     void* data = host.ptr;
     const size_t count = static_cast<size_t>(host.nbytes / route.itemsize);
 

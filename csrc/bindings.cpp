@@ -85,8 +85,8 @@ bool handle_of(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints
 // A plain CPython function: it sits on every partial all-reduce's path, where pybind11's
 // dispatch of its sixteen arguments cost 0.7 us a call (this, 0.25 us).
 PyObject* partial_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs != 17) {
-        PyErr_SetString(PyExc_TypeError, "partial_allreduce takes 17 arguments (see its docstring)");
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "partial_allreduce takes 16 arguments (see its docstring)");
         return nullptr;
     }
     if (!mpi::bound()) {
@@ -99,7 +99,6 @@ PyObject* partial_allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     const char *dtype = PyUnicode_AsUTF8(args[9]), *op = dtype ? PyUnicode_AsUTF8(args[10]) : nullptr;
     r.scale = PyFloat_AsDouble(args[11]);
     r.timeout = PyFloat_AsDouble(args[15]);
-    r.spin = PyFloat_AsDouble(args[16]);
     if (!handle_of(args[0], r.comm) || !handle_of(args[1], r.byte_type) || !handle_of(args[2], r.request_null) ||
         !ints_of(args[4], r.members, "members must be a sequence of ranks") ||
         !ints_of(args[5], r.tags, "tags must be a sequence of ints") || !size_of(args[6], r.me) ||
@@ -249,7 +248,7 @@ PYBIND11_MODULE(_C, m) {
         {"partial_allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(partial_allreduce)),
          METH_FASTCALL,
          "partial_allreduce(comm, byte_type, request_null, undefined, members, tags, me, data, count, dtype, op, "
-         "scale, chunk_bytes, direct_bytes, doubling_from, timeout, spin): reduce data in place among members (ranks of comm; this "
+         "scale, chunk_bytes, direct_bytes, doubling_from, timeout): reduce data in place among members (ranks of comm; this "
          "rank is members[me]) over MPI's point to point (csrc/partial.h), without the GIL; handles as mpi4py's. "
          "(status, peer, error, sends): status 0 done, 1 late waiting for rank peer, 2 MPI error `error`; sends: "
          "requests (handles) that may still read data after a failure."},
@@ -259,7 +258,7 @@ PYBIND11_MODULE(_C, m) {
          "run it. After partial_bind."},
         {"partial_bind", partial_now::bind, METH_VARARGS,
          "partial_bind(shared, uses, comms, broken, abandoned, (comm, byte, request_null, undefined, in_place), "
-         "me, size, tag_ub, spin, route, clone, failed): pycoll.partial's per-world state and callbacks; "
+         "me, size, tag_ub, clone, failed): pycoll.partial's per-world state and callbacks; "
          "partial_bind(None) at shutdown."},
         {"partial_settings", partial_now::configure, METH_VARARGS,
          "partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout): whenever the "

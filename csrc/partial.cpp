@@ -15,12 +15,16 @@
 // the result back from it. A pair combines its lower member's value with its higher's,
 // in that order on both, so every member gets the same bits.
 //
-// Waiting: MPI_Testany in a loop that never sleeps while messages flow. Where each rank
-// has a core it spins for Round::spin after the last progress (a peer on another core
-// answers within it: yielding at once costs tens of us on a machine shared with other
-// jobs), then yields the core between tries (at once where ranks share cores: the peer
-// may need this one); only a wait that has made no progress for STALL_S (a late peer, a
-// straggler) backs off to short sleeps, so ranks that outnumber cores are not starved.
+// Waiting: MPI_Testany in a loop that never sleeps while messages flow. It spins for
+// SPIN_S after the last progress (a peer on another core answers within it: yielding at
+// once costs tens of us on a machine shared with other jobs), then yields the core between
+// tries; only a wait that has made no progress for STALL_S (a late peer, a straggler)
+// backs off to short sleeps, so ranks that outnumber cores are not starved. Where ranks
+// share cores MPI's own progress already yields while it has nothing to do (Open MPI's
+// mpi_yield_when_idle, on when oversubscribed, as in its blocking waits): yielding here
+// at once as well, as this loop did, sent every wait through the scheduler twice: at 4
+// and 8 ranks on 2 cores, 4 B rounds took a median 1.72x MPI's Allreduce against 1.36x
+// spinning first (docs/benchmarks.md).
 // Progress is a completed message, and one chunk of a large ring takes milliseconds to
 // arrive, while its transfer needs both ends to keep calling MPI (rendezvous fragments):
 // at 2 ms, waits fell into sleeping mid-transfer and 1-4 MiB rounds at 2 ranks took 4-7x
@@ -42,7 +46,7 @@
 namespace pycoll::partial {
 namespace {
 
-constexpr double STALL_S = 50e-3;
+constexpr double SPIN_S = 50e-6, STALL_S = 50e-3;
 constexpr size_t NONE = SIZE_MAX;
 
 double now() {
@@ -65,12 +69,12 @@ void check(int code) {
 // top); Late past the round's deadline.
 class Patience {
   public:
-    Patience(double timeout, double spin) : deadline_(now() + timeout), spin_(spin), last_(now()) {}
+    explicit Patience(double timeout) : deadline_(now() + timeout), last_(now()) {}
     void progressed() { last_ = now(), delay_ = 0; }
     void idle(int peer) {
         const double t = now();
         if (t > deadline_) throw Stop{Outcome::Late, peer, 0};
-        if (t - last_ < spin_) return;
+        if (t - last_ < SPIN_S) return;
         if (t - last_ < STALL_S) {
             sched_yield();
             return;
@@ -81,7 +85,7 @@ class Patience {
     }
 
   private:
-    double deadline_, spin_, last_, delay_ = 0;
+    double deadline_, last_, delay_ = 0;
 };
 
 // Where received data lands before it is reduced, kept from round to round: a fresh,
@@ -111,7 +115,7 @@ class Scratch {
 class Exchange {
   public:
     explicit Exchange(const Round& r)
-        : r_(r), item_(itemsize(r.dt)), patience_(r.timeout, r.spin), sends_(r.request_null), recvs_(r.request_null) {}
+        : r_(r), item_(itemsize(r.dt)), patience_(r.timeout), sends_(r.request_null), recvs_(r.request_null) {}
 
     Outcome run() {
         Outcome out;

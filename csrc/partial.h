@@ -27,7 +27,6 @@ struct Round {
     size_t direct_bytes = 0;       // at most this many bytes: the direct exchange, or
     size_t doubling_from = 4;      // from this many members recursive doubling
     double timeout = 0;            // seconds the round may last
-    double spin = 0;               // seconds a wait spins before yielding the core (0: ranks share cores)
 };
 
 struct Outcome {

@@ -28,11 +28,10 @@ namespace {
 
 struct Bound {
     PyObject *shared = nullptr, *uses = nullptr, *comms = nullptr, *broken = nullptr, *abandoned = nullptr;
-    PyObject *route = nullptr, *clone = nullptr, *failed = nullptr;
+    PyObject *clone = nullptr, *failed = nullptr;
     intptr_t comm = 0, byte_type = 0, request_null = 0, in_place = 0;
     int undefined = 0, me = 0, size = 0;
     long long tag_ub = 0;
-    double spin = 0;
 } b;
 
 struct Settings {
@@ -42,44 +41,7 @@ struct Settings {
     double timeout = 0;
 } settings;
 
-// How (op, dtype) goes: pycoll.partial's route(op, x) once, kept here.
-struct Route {
-    PyObject* op;  // held
-    std::string dtype;
-    intptr_t datatype, mpi_op;
-    size_t itemsize;
-    bool average;
-    DType dt;
-    Op reduce;
-};
-std::vector<Route> routes;
-
 PyObject *s_handle, *s_name;
-
-const Route* route_of(PyObject* op, PyObject* x, const char* dtype) {
-    for (const Route& r : routes)
-        if (r.op == op && r.dtype == dtype) return &r;
-    PyObject* args[] = {op, x};
-    Ref found(PyObject_Vectorcall(b.route, args, 2, nullptr));  // raises as the general path
-    if (!found) return nullptr;
-    PyObject *datatype, *mpi_op;
-    Py_ssize_t itemsize;
-    int average;
-    const char *name, *reduce;
-    if (!PyArg_ParseTuple(found.get(), "OOnpss:route's result", &datatype, &mpi_op, &itemsize, &average, &name,
-                          &reduce))
-        return nullptr;
-    Route r{Py_NewRef(op), dtype, 0, 0, static_cast<size_t>(itemsize), average != 0, DType::Float32, Op::Sum};
-    r.datatype = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(datatype));
-    r.mpi_op = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(mpi_op));
-    if (PyErr_Occurred() || !kinds_of(name, reduce, r.dt, r.reduce)) return nullptr;
-    if (routes.size() >= 64) {  // ops passed as fresh objects each call: start again
-        for (Route& old : routes) Py_DECREF(old.op);
-        routes.clear();
-    }
-    routes.push_back(r);
-    return &routes.back();
-}
 
 // ranks as sorted members; false (no error) for anything the general path should judge.
 bool members_of(PyObject* ranks, std::vector<int>& members, size_t& me) {
@@ -130,7 +92,7 @@ bool set_count(PyObject* dict, PyObject* key, long long n) {
 PyObject* none() { Py_RETURN_NONE; }
 
 void unbind() {
-    for (PyObject** held : {&b.shared, &b.uses, &b.comms, &b.broken, &b.abandoned, &b.route, &b.clone, &b.failed})
+    for (PyObject** held : {&b.shared, &b.uses, &b.comms, &b.broken, &b.abandoned, &b.clone, &b.failed})
         Py_CLEAR(*held);
 }
 
@@ -142,17 +104,17 @@ PyObject* bind(PyObject*, PyObject* args) {
         Py_RETURN_NONE;
     }
     Bound n;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!(nnnin)iiLdOOO:partial_bind", &PyDict_Type, &n.shared, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!(nnnin)iiLOO:partial_bind", &PyDict_Type, &n.shared, &PyDict_Type,
                           &n.uses, &PyDict_Type, &n.comms, &PyDict_Type, &n.broken, &PyList_Type, &n.abandoned,
                           &n.comm, &n.byte_type, &n.request_null, &n.undefined, &n.in_place, &n.me, &n.size,
-                          &n.tag_ub, &n.spin, &n.route, &n.clone, &n.failed))
+                          &n.tag_ub, &n.clone, &n.failed))
         return nullptr;
     if (!s_handle) {
         s_handle = PyUnicode_InternFromString("handle");
         s_name = PyUnicode_InternFromString("partial_allreduce");
         if (!s_handle || !s_name) return nullptr;
     }
-    for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.route, n.clone, n.failed})
+    for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.clone, n.failed})
         Py_INCREF(held);
     unbind();  // what was bound before
     b = n;
@@ -177,8 +139,10 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject *x = args[0], *ranks = args[2], *op = args[3], *name = args[4] == Py_None ? s_name : args[4];
     const bool inplace = args[1] == Py_True;
-    // Failed rounds leave state (sends still reading, broken groups) the general path handles.
-    if (!settings.enabled || !b.shared || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken))
+    // Failed rounds leave state (sends still reading, broken groups) the general path
+    // handles; so does op None, which it refuses.
+    if (!settings.enabled || !b.shared || !mpi::bound() || PyList_GET_SIZE(b.abandoned) || PyDict_GET_SIZE(b.broken) ||
+        op == Py_None)
         Py_RETURN_NONE;
     std::vector<int> members;
     size_t me;
@@ -186,19 +150,14 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     // Out of place the result is read, not x (which may be read-only): a GPU tensor is
     // cloned here and again by the general path, a copy that path's staging dwarfs.
     Ref out(inplace ? Py_NewRef(x) : PyObject_CallOneArg(b.clone, x));
-    Ref one(out ? PyList_New(1) : nullptr);
-    if (one) PyList_SET_ITEM(one.get(), 0, Py_NewRef(out.get()));
-    Ref read(one ? short_path::host_pointers(nullptr, one.get()) : nullptr);  // the one host-tensor reader
-    if (!read) return nullptr;
-    if (read.get() == Py_None) return read.release();  // GPU, strided, read-only: the general path's
-    const char* dtype = PyUnicode_AsUTF8(PyTuple_GET_ITEM(read.get(), 2));
-    void* data = PyLong_AsVoidPtr(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 0), 0));
-    const Py_ssize_t nbytes = PyLong_AsSsize_t(PyList_GET_ITEM(PyTuple_GET_ITEM(read.get(), 1), 0));
-    if (!dtype || PyErr_Occurred()) return nullptr;
-    const Route* found = route_of(op, out.get(), dtype);
-    if (!found) return PyErr_Occurred() ? nullptr : none();
-    const Route route = *found;  // a copy: another thread may add routes while this one is in MPI
-    const size_t count = static_cast<size_t>(nbytes) / route.itemsize;
+    if (!out) return nullptr;
+    short_path::Host host;
+    const short_path::Route* found = nullptr;  // the short path's, asked once per op and dtype
+    if (int read = short_path::read_routed(out.get(), true, op, host, found))
+        return read < 0 ? nullptr : none();  // GPU, strided, read-only, unhashable op: the general path's
+    const short_path::Route& route = *found;  // kept by the short path until it is set up again
+    void* data = host.ptr;
+    const size_t count = static_cast<size_t>(host.nbytes / route.itemsize);
 
     Ref key(tuple_of(members));
     if (!key) return nullptr;
@@ -234,7 +193,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         int code;
         Py_BEGIN_ALLOW_THREADS
         code = mpi::allreduce(reinterpret_cast<const void*>(b.in_place), data, static_cast<int>(count),
-                              route.datatype, route.mpi_op, cached);
+                              route.datatype, route.op, cached);
         if (!code && scale != 1.0) cpu::scale(data, count, route.dt, scale);
         Py_END_ALLOW_THREADS
         if (code) outcome.status = partial::Outcome::Failed, outcome.error = code;
@@ -243,7 +202,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         r.members = std::move(members);
         r.me = me, r.data = data, r.count = count, r.dt = route.dt, r.op = route.reduce, r.scale = scale;
         r.chunk_bytes = settings.chunk_bytes, r.direct_bytes = settings.direct_bytes;
-        r.doubling_from = settings.doubling_from, r.timeout = settings.timeout, r.spin = b.spin;
+        r.doubling_from = settings.doubling_from, r.timeout = settings.timeout;
         if (!exchange(r, outcome)) return nullptr;
     }
     if (outcome.status == partial::Outcome::Done) return out.release();

@@ -10,12 +10,13 @@
 namespace pycoll::partial_now {
 
 // partial_bind(shared, uses, comms, broken, abandoned, (comm, byte, request_null,
-// undefined, in_place), me, size, tag_ub, spin, route, clone, failed): the per-world state
-// that pycoll.partial keeps (read and counted here too) and the functions the entry calls;
-// given when pycoll.partial first runs on a world. The engine's token is the short path's.
+// undefined, in_place), me, size, tag_ub, clone, failed): the per-world state that
+// pycoll.partial keeps (read and counted here too) and the functions the entry calls;
+// given when pycoll.partial first runs on a world. The engine's token, the tensor reader
+// and the (op, dtype) routes are the short path's.
 // partial_bind(None): none (pycoll.shutdown).
 PyObject* bind(PyObject*, PyObject* args);
-// partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout, spin):
+// partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout):
 // given again whenever the settings change.
 PyObject* configure(PyObject*, PyObject* args);
 // partial_now(x, inplace, ranks, op, name): the result (x itself in place), or None where

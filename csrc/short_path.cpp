@@ -209,27 +209,12 @@ struct Names {
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
 } s;
 
-// How a dtype goes to MPI, and an op's reduction of it (op None: no reduction).
-struct Route {
-    intptr_t datatype, op;
-    Py_ssize_t itemsize;
-    bool average;
-    DType dt;
-    std::string name;
-};
-
 void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPointer(capsule, "pycoll.Route")); }
 
 // ---------------------------------------------------------------- reading a tensor
 
-// Where a host tensor's bytes are: its address, size and dtype object. 0: read; 1: not a
-// tensor this path reads (the general path then does); -1: error.
-struct Host {
-    void* ptr = nullptr;
-    Py_ssize_t nbytes = 0;
-    Ref dtype;
-};
-
+// Reads a host tensor (Host): 0: read; 1: not a tensor this path reads (the general path
+// then does); -1: error.
 int read_host(PyObject* x, bool writable, Host& out) {
     if (reinterpret_cast<PyObject*>(Py_TYPE(x)) == fn.ndarray) {
         Py_buffer view;
@@ -333,8 +318,9 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     PyObject *datatype, *mpi_op;
     Py_ssize_t itemsize;
     int average;
-    const char* name;
-    if (!PyArg_ParseTuple(found.get(), "OOnpz:find_route's result", &datatype, &mpi_op, &itemsize, &average, &name))
+    const char *name, *reduce;
+    if (!PyArg_ParseTuple(found.get(), "OOnpsz:find_route's result", &datatype, &mpi_op, &itemsize, &average, &name,
+                          &reduce))
         return nullptr;
     auto route = std::make_unique<Route>();
     if (!as_ptr(datatype, route->datatype) || !as_ptr(mpi_op, route->op)) return nullptr;
@@ -347,6 +333,7 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     route->name = name;
     try {
         route->dt = parse_dtype(name);
+        if (reduce) route->reduce = parse_op(reduce);
     } catch (const std::invalid_argument& error) {
         PyErr_SetString(PyExc_ValueError, error.what());
         return nullptr;
@@ -442,14 +429,6 @@ bool takes(Py_ssize_t nargs, Py_ssize_t wanted, const char* usage) {
     return true;
 }
 
-// x's bytes and route: 0 read, 1 the general path's, -1 error.
-int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route) {
-    if (int read = read_host(x, writable, in)) return read;
-    route = route_of(op, x, in.dtype.get());
-    if (!route) return PyErr_Occurred() ? -1 : 1;
-    return 0;
-}
-
 PyObject* left(int read) { return read < 0 ? nullptr : none(); }
 
 // A tensor that reduce_scatter, allgather and alltoall cut into rows along dim 0, and the
@@ -479,6 +458,13 @@ int read_rows(PyObject* x, PyObject* op, PyObject* group, bool need_dim0, Rows& 
 int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
 
 }  // namespace
+
+int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route) {
+    if (int read = read_host(x, writable, in)) return read;
+    route = route_of(op, x, in.dtype.get());
+    if (!route) return PyErr_Occurred() ? -1 : 1;
+    return 0;
+}
 
 Token::Token(PyObject* name, PyObject* kind) : gate_(reinterpret_cast<PyObject*>(world.gate)) {
     Py_XINCREF(gate_);

@@ -4,6 +4,12 @@
 
 #include <Python.h>
 
+#include <cstdint>
+#include <string>
+
+#include "dtypes.h"
+#include "py_ref.h"
+
 namespace pycoll::short_path {
 
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
@@ -38,6 +44,30 @@ PyObject* row_signature(PyObject*, PyObject* args);
 PyObject* host_pointers(PyObject*, PyObject* xs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
+
+// How a dtype goes to MPI, and an op's reduction of it (op None: no reduction), as
+// find_route said; kept per (op, dtype) for this path and partial_now.
+struct Route {
+    intptr_t datatype, op;
+    Py_ssize_t itemsize;
+    bool average;
+    DType dt;
+    Op reduce = Op::Sum;  // the CPU kernels' reduction (Average: Sum, then scaled)
+    std::string name;
+};
+
+// Where a host tensor's bytes are: its address, size and dtype object.
+struct Host {
+    void* ptr = nullptr;
+    Py_ssize_t nbytes = 0;
+    Ref dtype;
+};
+
+// x read as this path reads it (writable: for writing too) and its route by op (borrowed:
+// kept until short_path_setup runs again): 0 read; 1 not one this path takes (a GPU,
+// strided or read-only tensor, an op it cannot hash: the general path says what is wrong);
+// -1 with a Python error.
+int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route);
 
 // The engine's token for one compiled call (this path's and partial_now's), given back when
 // it goes out of scope (an error already raised stays raised). Not held while work issued

@@ -173,16 +173,17 @@ _MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
 
 def _short_route(op, x) -> tuple:
     """How ``x`` (a host tensor the short path has read) goes to MPI, reduced by ``op``
-    (None: not reduced): (datatype handle, op handle or 0, itemsize, average, dtype).
-    Raises as the general path would for an unknown op or one the dtype cannot take. The
-    short path asks once per (op, x.dtype) and keeps the answer."""
+    (None: not reduced): (datatype handle, op handle or 0, itemsize, average, dtype, the
+    CPU kernels' op name or None). Raises as the general path would for an unknown op or
+    one the dtype cannot take. The short path and the partial all-reduce's entry ask once
+    per (op, x.dtype) and keep the answer."""
     dtype = as_buffer(x).dtype
     if op is None:
-        return MPI._handleof(_MPI_TYPES[dtype]), 0, ITEMSIZE[dtype], False, dtype
+        return MPI._handleof(_MPI_TYPES[dtype]), 0, ITEMSIZE[dtype], False, dtype, None
     op = reduce_op(op)                  # "sum" is ReduceOp.SUM's key too
     check_reduction(op, dtype)
     return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(mpi_op(op, dtype)), ITEMSIZE[dtype],
-            op is Average, dtype)
+            op is Average, dtype, "sum" if op is Average else op.value)
 
 
 class _Many(NamedTuple):

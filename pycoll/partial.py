@@ -30,7 +30,8 @@ source, so other pairs' tags do not matter.)
 
 A blocking call on a contiguous host tensor, made while the engine is idle and with
 checks, ``--link`` and the timeline off, is one compiled call (``_C.partial_now``,
-csrc/partial_now.cpp): it reads the tensor, counts the round in this module's own dicts
+csrc/partial_now.cpp): it reads the tensor and routes its (op, dtype) as the collectives'
+short path does (its reader and its table), counts the round in this module's own dicts
 (``_Cache``: uses, rounds per peer) by the same rules, and runs the exchange or the
 cached communicator's Allreduce without the GIL; anything else it leaves to ``_plan``.
 
@@ -47,7 +48,6 @@ found by PYCOLL_CHECK is raised by every member after a complete exchange: the g
 stays usable.
 """
 import hashlib
-import os
 import time
 from collections import Counter
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -59,11 +59,6 @@ from . import _C, config, emulation, runtime, tensors, timeline
 from .collectives import Average, check_reduction, message, mpi_op, reduce_op, staged
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
-
-# How long the compiled exchange's waits spin before yielding the core, where ranks do
-# not share cores: a peer on another core answers within it.
-SPIN_S = 50e-6
-
 
 class _Group(NamedTuple):
     """A set of ranks as this rank uses it: sorted, as a list (for _C), this rank's index,
@@ -91,13 +86,10 @@ class _Cache:
         self.broken: dict = {}           # members -> the error that broke them here
         self.compiled = _C.mpi_bound()           # else the ring runs in Python
         self.handles = (comm.handle, MPI.BYTE.handle, MPI.REQUEST_NULL.handle, MPI.UNDEFINED)
-        # Spin before yielding only where every rank here has a core of its own.
-        self.spin = SPIN_S if runtime.local_size() <= (os.cpu_count() or 1) else 0.0
         if self.compiled:                # the compiled entry counts in the same dicts
             _C.partial_bind(self.shared, self.uses, self.comms, self.broken, _abandoned,
                             self.handles + (int(MPI.IN_PLACE),),
-                            self.me, self.size, self.tag_ub, self.spin, _route, tensors.clone,
-                            _failed)
+                            self.me, self.size, self.tag_ub, tensors.clone, _failed)
 
     def group(self, ranks) -> _Group:
         try:
@@ -176,7 +168,7 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
         "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
         tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes,
-        _settings.doubling_from, max(0.0, deadline - time.monotonic()), state.spin)
+        _settings.doubling_from, max(0.0, deadline - time.monotonic()))
     if status:
         _raise_failure(group.members, state.me, name, keep, status, peer, error, sends)
 
@@ -200,17 +192,6 @@ def _failed(members, name, keep, status, peer, error, sends) -> None:
     except BaseException as failure:
         state.broken[members] = f"{type(failure).__name__}: {failure}"
         raise
-
-
-def _route(op, x) -> tuple:
-    """How the compiled entry reduces ``x`` by ``op``, asked once per op and dtype (raises
-    as _plan does): (MPI datatype and op handles, itemsize, average, dtype, the exchange's
-    op)."""
-    op, dtype = reduce_op(op), tensors.as_buffer(x).dtype
-    check_reduction(op, dtype)
-    datatype = message(0, 0, dtype)[2]               # what messages of this dtype carry
-    return (MPI._handleof(datatype), MPI._handleof(mpi_op(op, dtype)), tensors.ITEMSIZE[dtype],
-            op is Average, dtype, "sum" if op is Average else op.value)
 
 
 class _Ring:

@@ -112,6 +112,25 @@ def test_bad_input_says_what_to_do(pycoll_world):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [False, True], ids=["default", "checked"])
+def test_ops_the_route_refuses_raise_and_the_pair_goes_on(settings, pycoll_world, check):
+    """The compiled entry routes (op, dtype) through the short path's table, shared with
+    the collectives: no op, an unknown one and Average of ints raise on both members as
+    the general path says, and the pair's next round still matches."""
+    settings(check=check, partial_cache_after=0)
+    if pycoll.rank() > 1:
+        return                                            # the group is ranks 0 and 1
+    for op in (None, "mean"):
+        with pytest.raises(ValueError, match="unknown reduction"):
+            pycoll.partial_allreduce(np.ones(4, np.float32), [0, 1], op=op)
+    with pytest.raises(TypeError, match="Average"):
+        pycoll.partial_allreduce(np.ones(4, np.int32), [0, 1], op=pycoll.Average)
+    np.testing.assert_array_equal(pycoll.partial_allreduce(np.ones(4, np.int32), [1, 0], op="max"), 1)
+    np.testing.assert_array_equal(pycoll.partial_allreduce(np.ones(4, np.float32), [0, 1], op=pycoll.Sum),
+                                  2)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_mismatched_members_raise_on_every_member(settings, pycoll_world, path, monkeypatch):
     settings(check=True)
     rank = pycoll.rank()

@@ -61,7 +61,8 @@ def run(mode, link, args) -> dict:
     ranks = args.workers + (args.servers if ps else 0)
     out = run_job(ranks, "overlap_train.py",
                   ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
-                   "--width", args.width, "--ms", f"{small_layer_ms(mode, link, args):.4f}"]
+                   "--width", args.width, "--ms", f"{small_layer_ms(mode, link, args):.4f}",
+                   "--layout", args.layout]
                   + (["--ps"] if ps else []), flags=flags)
     rows = {row["schedule"]: row for row in out["rows"]}
     if rows["default"]["bytes"] != model_bytes(args.small, args.width):
@@ -112,6 +113,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
     parser.add_argument("--small", type=int, default=24)
     parser.add_argument("--width", type=int, default=4096, help="the large layers'")
+    parser.add_argument("--layout", choices=("end", "middle"), default="end",
+                        help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
                         help="a small layer's forward, ms (0: compute = communication)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in turn")

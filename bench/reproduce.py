@@ -266,7 +266,7 @@ def _ipart_points(size: Size):
     ipart = size.ipart
 
     def point(mode, workers):
-        settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, workers=workers, **{
+        settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, layout="end", workers=workers, **{
             k: ipart[k] for k in ("steps", "small", "width")})
 
         def run(seed: int) -> dict:

@@ -16,13 +16,15 @@ transfers a partition makes one after the other (``plan``'s cost model).
 - Forward: a pre-hook on every layer (module with parameters of its own) completes the
   partitions holding that layer's rows, and only those, before the layer runs; the
   other partitions stay in flight. "default" completes everything at ``step``.
-- Plans: "default" is one partition, "layerwise" one per layer (in the modules' order),
-  "ipart" starts layerwise, profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (per-layer
-  forward and backward times, measured between the hooks, and step times), probes the
-  link (timed transfers: under ``--link``, the emulated link's times), calibrates alpha
-  to the profiled step time (``plan.calibrate``) and plans (``plan.choose``: the
-  partitions and their issue order; a re-plan keeps the running plan unless the new one
-  models clearly faster) on the first rank, whose plan every rank adopts (``agree``).
+- Plans: "default" is one partition, "layerwise" one per layer (in the modules' order).
+  "ipart" profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (after one to settle) under one
+  partition, then as many under layerwise (per-layer forward and backward times,
+  measured between the hooks, and step times), probes the link (timed transfers: under
+  ``--link``, the emulated link's times), fits the cost model to both (the compute per
+  layer from the first, per partition from the second's excess, alpha to its step time:
+  ``plan``'s calibration) and plans (``plan.choose``: the partitions and their issue
+  order; a re-plan keeps the running plan unless the new one models clearly faster) on
+  the first rank, whose plan every rank adopts (``agree``).
   Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
@@ -130,22 +132,23 @@ class Schedule:
         # The pieces are fixed (a PS declares one key per piece); plans only regroup them.
         self.pieces = sorted(items)
         self.transport = make_transport(self.pieces)
-        self._install(Plan([tuple(items)] if kind == "default" else planner.by_layer(items, self.tensors),
-                           registration))
+        self._one = Plan([tuple(items)], registration)
+        self._layerwise = Plan(planner.by_layer(items, self.tensors), registration)
+        self._install(self._layerwise if kind == "layerwise" else self._one)
         self._ready = [False] * len(self.params)
         self._in_flight: Dict[int, tuple] = {}         # partition -> (handle, issued at)
         self._next = 0                                  # the next to issue: plan.issue[_next]
         self._step, self._last_step_at = 0, None
         self._exposed = 0.0
         self.history = collections.deque(maxlen=HISTORY)   # (step_s, exposed_s)
-        self._profiling = kind == "ipart"
+        self._profiling = False
         self._profile_steps = int(config.get("ipart_profile_steps"))
         self._replan_every = int(config.get("ipart_replan_every"))
         self._drift = float(config.get("ipart_drift"))
-        self._reset_profile()
         self._baseline: Optional[float] = None
-        self._forward_order: List[int] = []
         self._started: Dict[int, float] = {}
+        if kind == "ipart":
+            self._start_profile()
         self._hooks = [m.register_forward_pre_hook(self._make_pre_forward(i))
                        for i, m in enumerate(self.modules)]
         self._hooks += [m.register_forward_hook(self._make_post_forward(i))
@@ -169,30 +172,48 @@ class Schedule:
         self._tensors_of = [sorted({p.tensor for p in part}) for part in new.parts]
         self.transport.adopt(new)
 
-    def _reset_profile(self) -> None:
+    # ------------------------------------------------------------ profiling
+    def _start_profile(self) -> None:
+        """Profile under one partition, then under layerwise (see the module's docstring);
+        ``_running`` is what a re-plan keeps unless the new plan is clearly faster."""
+        self._running = self.plan
+        self._phases = [self._one, self._layerwise]
+        self._measured: List[Tuple[List[float], List[float], float]] = []
+        self._forward_order: List[int] = []
+        self._next_phase()
+
+    def _next_phase(self) -> None:
+        """Run the next profiling plan, with nothing in flight."""
+        self.finish()
+        phase = self._phases.pop(0)
+        self._install(Plan(phase.parts, phase.order, version=self._running.version))
+        self._next = 0
+        self._profiling = True
         self._fwd = [0.0] * len(self.modules)
         self._bwd = [0.0] * len(self.modules)
         self._done: Dict[int, float] = {}
-        self._profiled = 0
-        self._profiled_steps: List[float] = []     # step times while profiling
+        self._phase_steps = 0                      # the first is not profiled: it settles
+        self._profiled_steps: List[float] = []     # step times
         self._forward_end = 0.0
 
+    def _profiled(self) -> bool:
+        return self._profiling and self._phase_steps > 0
+
     def _planned(self) -> Plan:
-        """The first rank's plan from its profile (every rank calls it together)."""
+        """The first rank's plan from the profiles (every rank calls it together)."""
         alpha, beta = self._probe()
         text = ""
         if self.first:
-            n = max(self._profiled, 1)
+            (fwd, bwd, _), (fwd_lw, bwd_lw, step_lw) = self._measured
             order = self._forward_order + [l for l in range(len(self.modules))
                                            if l not in self._forward_order]
-            profile = Profile([f / n for f in self._fwd], [b / n for b in self._bwd], alpha, beta,
-                              self.transport.stages)
-            if self._profiled_steps:
-                profile = planner.calibrate(self.plan.parts, self.tensors, self.plan.order,
-                                            profile, statistics.median(self._profiled_steps),
-                                            self.plan.issue)
+            extra = len(self._layerwise.parts) - 1
+            cpu = max(sum(fwd_lw) + sum(bwd_lw) - sum(fwd) - sum(bwd), 0.0) / max(extra, 1)
+            profile = Profile(fwd, bwd, alpha, beta, self.transport.stages, cpu)
+            profile = planner.calibrate(self._layerwise.parts, self.tensors, self._layerwise.order,
+                                        profile, step_lw, self._layerwise.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
-                                  self.plan.version + 1, self.plan).to_json()
+                                  self._running.version + 1, self._running).to_json()
         return Plan.from_json(self.agree(text))
 
     def _probe(self) -> Tuple[float, float]:
@@ -210,7 +231,7 @@ class Schedule:
     def _make_grad_ready(self, i: int):
         def ready(p):
             self._ready[i] = True
-            if self._profiling:
+            if self._profiled():
                 layer = self.tensors[i].layer
                 self._done[layer] = time.perf_counter()
             if self.kind != "default":
@@ -230,7 +251,7 @@ class Schedule:
         "default" waits for everything here. Then the step's counters, and profiling,
         planning and re-planning."""
         self._issue(lambda k: True)
-        if self._profiling and self._done:
+        if self._profiled():
             self._profile_backward()
         if self.kind == "default":
             self.finish()
@@ -238,33 +259,36 @@ class Schedule:
         self._next = 0
         if self._last_step_at is not None:
             self.history.append((time.perf_counter() - self._last_step_at, self._exposed))
-            if self._profiling and self._step > 1:
+            if self._profiled():
                 self._profiled_steps.append(self.history[-1][0])
         self._exposed = 0.0
         self._last_step_at = time.perf_counter()
         self._step += 1
+        if self._profiling:
+            self._phase_steps += 1
         if self.kind == "ipart":
             self._maybe_replan()
 
     def _profile_backward(self) -> None:
         """B_l: the time from the previous layer's gradients (or the forward's end) to
         this layer's, in the order backward produced them."""
-        if self._step == 0:         # the first step pays for allocations: not profiled
-            self._done.clear()
-            return
         last = self._forward_end
         for layer, at in sorted(self._done.items(), key=lambda item: item[1]):
             self._bwd[layer] += max(at - last, 0.0)
             last = at
         self._done.clear()
-        self._profiled += 1
 
     def _maybe_replan(self) -> None:
         if self._profiling:
-            if self._profiled >= self._profile_steps:
+            n = len(self._profiled_steps)
+            if n >= self._profile_steps:
+                self._measured.append(([f / n for f in self._fwd], [b / n for b in self._bwd],
+                                       statistics.median(self._profiled_steps)))
+                if self._phases:
+                    self._next_phase()
+                    return
                 self.finish()
-                new = self._planned()
-                self._install(new)
+                self._install(self._planned())
                 self._next = 0
                 self._profiling, self._baseline = False, None
                 self._since_plan = 0
@@ -280,9 +304,7 @@ class Schedule:
             elif abs(recent - self._baseline) > self._drift * self._baseline:
                 verdict = "replan"
         if self.agree(verdict) == "replan":
-            self._profiling = True
-            self._forward_order = []
-            self._reset_profile()
+            self._start_profile()
 
     # ------------------------------------------------------------ forward
     def _make_pre_forward(self, layer: int):
@@ -295,7 +317,7 @@ class Schedule:
                 self._exposed += time.perf_counter() - start
                 if timeline.on:      # exposed communication: this layer's forward waited
                     timeline.interval(f"layer {layer} waits", "ipart", began, partitions=waiting)
-            if self._profiling:
+            if self._profiled():
                 if layer not in self._forward_order:
                     self._forward_order.append(layer)
                 self._started[layer] = time.perf_counter()
@@ -303,7 +325,7 @@ class Schedule:
 
     def _make_post_forward(self, layer: int):
         def post_forward(module, inputs, output):
-            if self._profiling and layer in self._started and self._step > 0:
+            if self._profiled() and layer in self._started:
                 now = time.perf_counter()
                 self._fwd[layer] += now - self._started.pop(layer)
                 self._forward_end = now

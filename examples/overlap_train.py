@@ -111,7 +111,9 @@ def train(schedule: str, args) -> dict:
                 exposed_s=statistics.median(counters["exposed_s"][warm - 1:] if counters
                                             else waits[warm:]),
                 partitions=counters["partitions"] if counters else 1,
-                predicted_s=counters["predicted_step_s"] if counters else 0.0)
+                predicted_s=counters["predicted_step_s"] if counters else 0.0,
+                alpha_s=counters["alpha_s"] if counters else 0.0,
+                cpu_s=counters["cpu_s"] if counters else 0.0)
 
 
 def main():
@@ -149,6 +151,7 @@ def main():
                  step_s=statistics.median(r["step_s"] for r in rs),
                  exposed_s=statistics.median(r["exposed_s"] for r in rs),
                  partitions=rs[-1]["partitions"], predicted_s=rs[-1]["predicted_s"],
+                 alpha_s=rs[-1]["alpha_s"], cpu_s=rs[-1]["cpu_s"],
                  compute_s=3 * sum(layer.seconds for layer in probe),
                  bytes=sum(p.numel() * p.element_size() for p in probe.parameters()))
             for s, rs in runs.items()]

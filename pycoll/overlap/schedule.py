@@ -29,7 +29,8 @@ transfers a partition makes one after the other (``plan``'s cost model).
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
-  (spent waiting for partitions in forward and at ``step``). On the timeline
+  (spent waiting for partitions in forward and at ``step``); the fitted alpha and cpu
+  per partition of the last plan (on the first rank). On the timeline
   (``--timeline``): each partition from issue to arrival, and each forward's wait.
 """
 import atexit
@@ -147,6 +148,7 @@ class Schedule:
         self._drift = float(config.get("ipart_drift"))
         self._baseline: Optional[float] = None
         self._started: Dict[int, float] = {}
+        self.profile: Optional[Profile] = None         # the last plan's (first rank only)
         if kind == "ipart":
             self._start_profile()
         self._hooks = [m.register_forward_pre_hook(self._make_pre_forward(i))
@@ -210,21 +212,33 @@ class Schedule:
             extra = len(self._layerwise.parts) - 1
             cpu = max(sum(fwd_lw) + sum(bwd_lw) - sum(fwd) - sum(bwd), 0.0) / max(extra, 1)
             profile = Profile(fwd, bwd, alpha, beta, self.transport.stages, cpu)
-            profile = planner.calibrate(self._layerwise.parts, self.tensors, self._layerwise.order,
-                                        profile, step_lw, self._layerwise.issue)
+            profile = self.profile = planner.calibrate(
+                self._layerwise.parts, self.tensors, self._layerwise.order, profile, step_lw,
+                self._layerwise.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
                                   self._running.version + 1, self._running).to_json()
         return Plan.from_json(self.agree(text))
 
     def _probe(self) -> Tuple[float, float]:
         """alpha and beta fitted to timed transfers of 8 bytes and of the model's bytes
-        (capped at 4 MiB), three of each, the least of each (noise only adds). The
-        bytes' share of the large one is taken as at least a quarter of it: on a busy
-        host the two times can differ by noise alone, and a difference near zero makes
-        beta unbounded (partitions then look free)."""
+        (capped at 4 MiB), three of each, the least of each (noise only adds). Every
+        rank starts each together and it ends when every rank has its answer (a PS's
+        server answers the workers one after another: the first answered would see a
+        quarter of the time), less a bare agreement's time. The bytes' share of the
+        large one is taken as at least a quarter of it: on a busy host the two times can
+        differ by noise alone, and a difference near zero makes beta unbounded
+        (partitions then look free)."""
+        def timed(transfer: Callable[[], object]) -> float:
+            self.agree("")                          # start together
+            start = time.perf_counter()
+            transfer()
+            self.agree("")                          # until every rank is done
+            return time.perf_counter() - start
+
         large = max(64 << 10, min(4 << 20, sum(t.rows * t.row_bytes for t in self.tensors)))
-        small_s = min(self.transport.probe(8) for _ in range(3))
-        large_s = min(self.transport.probe(large) for _ in range(3))
+        sync_s = min(timed(lambda: None) for _ in range(3))
+        small_s = max(min(timed(lambda: self.transport.probe(8)) for _ in range(3)) - sync_s, 1e-6)
+        large_s = min(timed(lambda: self.transport.probe(large)) for _ in range(3)) - sync_s
         return small_s, max(large - 8, 1) / max(large_s - small_s, large_s / 4, 1e-9)
 
     # ------------------------------------------------------------ backward
@@ -352,8 +366,10 @@ class Schedule:
 
     def counters(self) -> dict:
         steps = list(self.history)
+        fitted = self.profile
         return dict(schedule=self.kind, steps=self._step, partitions=len(self.plan.parts),
                     plan_version=self.plan.version, predicted_step_s=self.plan.predicted_s,
+                    alpha_s=fitted.alpha if fitted else 0.0, cpu_s=fitted.cpu if fitted else 0.0,
                     step_s=[s for s, _ in steps], exposed_s=[e for _, e in steps])
 
     def remove(self) -> None:

@@ -56,13 +56,17 @@ modelled T is at least ``KEEP`` (relative) below theirs under the same new profi
 that noise in the profile does not change the plan from one re-plan to the next.
 
 Calibration (``schedule`` profiles one partition, then one per layer): F_l and B_l are
-the one partition's (nothing travels while it computes); ``cpu`` is what the layerwise
-steps' compute exceeds them by, per extra partition (before, that excess sat in B_l and
-alpha, where the model hid it behind compute, and planned partitions that each slowed
-the compute they were to hide behind). A transfer still costs more per partition than a
-timed probe shows (a BSP round waits for every worker's push; each message has software
-costs), so alpha is then raised until the model gives the step time measured under
-layerwise (``calibrate``); a link that hides nothing then plans few partitions.
+the one partition's (nothing travels while it computes), and so is beta: the next
+forward waited for all of the bytes' stages with nothing overlapped, so beta = bytes /
+(that wait / stages - alpha), alpha a timed small transfer's (large transfers timed on
+one rank saw a fraction of a stage where a PS server answers the workers in turn).
+``cpu`` is the larger of the time issuing a partition took and what the layerwise
+steps' compute exceeds the one partition's by, per extra partition (charged to alpha
+instead, the model hid it behind compute, and planned partitions that each slowed the
+compute they were to hide behind). A partition still costs more than that (a BSP round
+waits for every worker's push; each message has software costs), so alpha is then
+raised until the model gives the step time measured under layerwise (``calibrate``); a
+link that hides nothing then plans few partitions.
 """
 import json
 from dataclasses import dataclass, replace

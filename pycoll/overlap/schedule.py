@@ -2,12 +2,13 @@
 
 ``Schedule`` is shared by the parameter server (``ps.TorchWorker``) and allreduce
 training (``pycoll.torch.DistributedOptimizer``); a transport (``transports``, made by
-``make_transport(pieces)`` from the fixed pieces) gives it the operations that differ: ``issue(k, rows)`` starts partition k's transfer of its gradient
-rows and returns a handle; ``complete(k, handle)`` waits for it and puts the result in
-place (the PS pulled parameters, allreduce's per-parameter update once all its rows are
-in). ``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls
-it together), so the planner can fit alpha and beta; ``stages`` is how many such
-transfers a partition makes one after the other (``plan``'s cost model).
+``make_transport(pieces)`` from the fixed pieces) gives it the operations that differ:
+``issue(k, rows)`` starts partition k's transfer of its gradient rows and returns a
+handle; ``complete(k, handle)`` waits for it and puts the result in place (the PS pulled
+parameters, allreduce's per-parameter update once all its rows are in).
+``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls it
+together), so the planner can fit alpha; ``stages`` is how many such transfers a
+partition makes one after the other (``plan``'s cost model).
 
 - Backward: a hook on every parameter notes its gradient; a partition is issued once
   every tensor it holds rows of has its gradient and the partitions before it in the
@@ -19,12 +20,11 @@ transfers a partition makes one after the other (``plan``'s cost model).
 - Plans: "default" is one partition, "layerwise" one per layer (in the modules' order).
   "ipart" profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (after one to settle) under one
   partition, then as many under layerwise (per-layer forward and backward times,
-  measured between the hooks, and step times), probes the link (timed transfers: under
-  ``--link``, the emulated link's times), fits the cost model to both (the compute per
-  layer from the first, per partition from the second's excess, alpha to its step time:
-  ``plan``'s calibration) and plans (``plan.choose``: the partitions and their issue
-  order; a re-plan keeps the running plan unless the new one models clearly faster) on
-  the first rank, whose plan every rank adopts (``agree``).
+  measured between the hooks; step times; the forward's waits; the time issuing takes),
+  times a small transfer (alpha; under ``--link``, the emulated link's), fits the cost
+  model to them (``plan``'s calibration) and plans (``plan.choose``: the partitions and
+  their issue order; a re-plan keeps the running plan unless the new one models clearly
+  faster) on the first rank, whose plan every rank adopts (``agree``).
   Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
@@ -37,7 +37,7 @@ import atexit
 import collections
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,6 +117,19 @@ def unpack_rows(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], rows: Seq
         _C.unpack_rows(buffer.data_ptr(), *_rows_args(tensors, rows))
 
 
+class Phase(NamedTuple):
+    """What profiling one plan measured: per layer and step, means; per step, medians."""
+    forward: List[float]
+    backward: List[float]
+    step: float
+    exposed: float
+    issue: float            # seconds issuing a partition took (packing, handing over)
+
+    @property
+    def compute(self) -> float:
+        return sum(self.forward) + sum(self.backward)
+
+
 class Schedule:
     """See the module's docstring. ``agree(text)`` returns the first rank's ``text`` on
     every rank (a collective)."""
@@ -141,6 +154,7 @@ class Schedule:
         self._next = 0                                  # the next to issue: plan.issue[_next]
         self._step, self._last_step_at = 0, None
         self._exposed = 0.0
+        self._issuing = 0.0                             # seconds issuing (profiled)
         self.history = collections.deque(maxlen=HISTORY)   # (step_s, exposed_s)
         self._profiling = False
         self._profile_steps = int(config.get("ipart_profile_steps"))
@@ -180,7 +194,7 @@ class Schedule:
         ``_running`` is what a re-plan keeps unless the new plan is clearly faster."""
         self._running = self.plan
         self._phases = [self._one, self._layerwise]
-        self._measured: List[Tuple[List[float], List[float], float]] = []
+        self._measured: List[Phase] = []
         self._forward_order: List[int] = []
         self._next_phase()
 
@@ -195,7 +209,8 @@ class Schedule:
         self._bwd = [0.0] * len(self.modules)
         self._done: Dict[int, float] = {}
         self._phase_steps = 0                      # the first is not profiled: it settles
-        self._profiled_steps: List[float] = []     # step times
+        self._profiled_steps: List[Tuple[float, float]] = []     # (step, exposed) times
+        self._issuing = 0.0                        # seconds spent issuing partitions
         self._forward_end = 0.0
 
     def _profiled(self) -> bool:
@@ -203,43 +218,27 @@ class Schedule:
 
     def _planned(self) -> Plan:
         """The first rank's plan from the profiles (every rank calls it together)."""
-        alpha, beta = self._probe()
+        alpha = min(self.transport.probe(8) for _ in range(3))     # noise only adds
         text = ""
         if self.first:
-            (fwd, bwd, _), (fwd_lw, bwd_lw, step_lw) = self._measured
+            one, layerwise = self._measured
             order = self._forward_order + [l for l in range(len(self.modules))
                                            if l not in self._forward_order]
-            extra = len(self._layerwise.parts) - 1
-            cpu = max(sum(fwd_lw) + sum(bwd_lw) - sum(fwd) - sum(bwd), 0.0) / max(extra, 1)
-            profile = Profile(fwd, bwd, alpha, beta, self.transport.stages, cpu)
+            # One partition: the next forward waits for all of the bytes' stages, nothing
+            # overlapped. Their share at least a quarter of it: on a busy host the wait can
+            # be near alpha by noise alone, and beta would be unbounded.
+            stage = one.exposed / self.transport.stages
+            beta = sum(t.rows * t.row_bytes for t in self.tensors) / max(stage - alpha, stage / 4,
+                                                                         1e-9)
+            extra = max(len(self._layerwise.parts) - 1, 1)
+            cpu = max(layerwise.issue, (layerwise.compute - one.compute) / extra)
+            profile = Profile(one.forward, one.backward, alpha, beta, self.transport.stages, cpu)
             profile = self.profile = planner.calibrate(
-                self._layerwise.parts, self.tensors, self._layerwise.order, profile, step_lw,
-                self._layerwise.issue)
+                self._layerwise.parts, self.tensors, self._layerwise.order, profile,
+                layerwise.step, self._layerwise.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
                                   self._running.version + 1, self._running).to_json()
         return Plan.from_json(self.agree(text))
-
-    def _probe(self) -> Tuple[float, float]:
-        """alpha and beta fitted to timed transfers of 8 bytes and of the model's bytes
-        (capped at 4 MiB), three of each, the least of each (noise only adds). Every
-        rank starts each together and it ends when every rank has its answer (a PS's
-        server answers the workers one after another: the first answered would see a
-        quarter of the time), less a bare agreement's time. The bytes' share of the
-        large one is taken as at least a quarter of it: on a busy host the two times can
-        differ by noise alone, and a difference near zero makes beta unbounded
-        (partitions then look free)."""
-        def timed(transfer: Callable[[], object]) -> float:
-            self.agree("")                          # start together
-            start = time.perf_counter()
-            transfer()
-            self.agree("")                          # until every rank is done
-            return time.perf_counter() - start
-
-        large = max(64 << 10, min(4 << 20, sum(t.rows * t.row_bytes for t in self.tensors)))
-        sync_s = min(timed(lambda: None) for _ in range(3))
-        small_s = max(min(timed(lambda: self.transport.probe(8)) for _ in range(3)) - sync_s, 1e-6)
-        large_s = min(timed(lambda: self.transport.probe(large)) for _ in range(3)) - sync_s
-        return small_s, max(large - 8, 1) / max(large_s - small_s, large_s / 4, 1e-9)
 
     # ------------------------------------------------------------ backward
     def _make_grad_ready(self, i: int):
@@ -256,8 +255,10 @@ class Schedule:
         issue = self.plan.issue
         while self._next < len(issue) and may(issue[self._next]):
             k = issue[self._next]
+            start = time.perf_counter()
             self._in_flight[k] = (self.transport.issue(k, self.plan.parts[k]),
                                   timeline.now() if timeline.on else 0.0)
+            self._issuing += time.perf_counter() - start
             self._next += 1
 
     def step(self) -> None:
@@ -274,7 +275,7 @@ class Schedule:
         if self._last_step_at is not None:
             self.history.append((time.perf_counter() - self._last_step_at, self._exposed))
             if self._profiled():
-                self._profiled_steps.append(self.history[-1][0])
+                self._profiled_steps.append(self.history[-1])
         self._exposed = 0.0
         self._last_step_at = time.perf_counter()
         self._step += 1
@@ -296,8 +297,11 @@ class Schedule:
         if self._profiling:
             n = len(self._profiled_steps)
             if n >= self._profile_steps:
-                self._measured.append(([f / n for f in self._fwd], [b / n for b in self._bwd],
-                                       statistics.median(self._profiled_steps)))
+                steps, exposed = zip(*self._profiled_steps)
+                self._measured.append(Phase(
+                    [f / n for f in self._fwd], [b / n for b in self._bwd],
+                    statistics.median(steps), statistics.median(exposed),
+                    self._issuing / ((n + 1) * len(self.plan.parts))))
                 if self._phases:
                     self._next_phase()
                     return

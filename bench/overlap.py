@@ -27,11 +27,11 @@ iPart's step by its own model (calibrated to the profiled steps) with the alpha 
 (per partition, ms) and contention (ms per MiB beside compute) it fitted, iPart's
 speedups over default and layerwise, step / overlap bound, and the ceiling of any
 schedule's gain over default (default's serial step by the model / the bound: 2x for
-allreduce where compute = comm, 3x for the PS, whose pulls follow all pushes). Compute is the step time of the
-same training with no communication, measured in the same job on every rank at once;
-communication is the link model's time for a step's bytes (allreduce: the emulated
-ring's cost; PS: every worker's bytes through the servers' links, one direction); the
-bound is their maximum. Writes bench/results/overlap.json and overlap.png.
+allreduce where compute = comm, 3x for the PS, whose pulls follow all pushes).
+Compute is the step time of the same training with no communication, measured in the
+same job on every rank at once; communication is the link model's time for a step's
+bytes (allreduce: the emulated ring's cost; PS: every worker's bytes through the
+servers' links, one direction); the bound is their maximum. Writes bench/results/overlap.json and overlap.png.
 """
 import argparse
 import json

@@ -24,14 +24,14 @@ CPU time the link model does not see (4+ ranks on 2 cores).
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
 iPart's step by its own model (calibrated to the profiled steps) with the alpha and cpu
-(per partition, ms) and contention (ms per MiB beside compute) it fitted, iPart's
-speedups over default and layerwise, step / overlap bound, and the ceiling of any
-schedule's gain over default (default's serial step by the model / the bound: 2x for
-allreduce where compute = comm, 3x for the PS, whose pulls follow all pushes).
-Compute is the step time of the same training with no communication, measured in the
-same job on every rank at once; communication is the link model's time for a step's
-bytes (allreduce: the emulated ring's cost; PS: every worker's bytes through the
-servers' links, one direction); the bound is their maximum. Writes bench/results/overlap.json and overlap.png.
+(per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
+overlap bound, and the ceiling of any schedule's gain over default (default's serial
+step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
+whose pulls follow all pushes). Compute is the step time of the same training with no
+communication, measured in the same job on every rank at once; communication is the
+link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
+worker's bytes through the servers' links, one direction); the bound is their maximum.
+Writes bench/results/overlap.json and overlap.png.
 """
 import argparse
 import json
@@ -106,7 +106,7 @@ def table(results, args) -> list:
                 mode=mode, link=link, schedule=s, step_s=r["step_s"], compute_s=compute,
                 comm_s=comm, exposed_s=r["exposed_s"], efficiency=compute / r["step_s"],
                 partitions=r["partitions"], predicted_s=r["predicted_s"], alpha_s=r["alpha_s"],
-                cpu_s=r["cpu_s"], contention_s_per_mib=r["contention_s_per_mib"],
+                cpu_s=r["cpu_s"],
                 vs_default=by["default"]["step_s"] / r["step_s"],
                 vs_layerwise=by["layerwise"]["step_s"] / r["step_s"],
                 over_bound=r["step_s"] / bound, ceiling=serial(mode, compute, comm) / bound))
@@ -145,13 +145,12 @@ def main():
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
               f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
     print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
-          f"{'eff':>5} {'parts':>5} {'model':>6} {'alpha':>5} {'cpu':>5} {'c/MiB':>5} {'vs dflt':>7} "
+          f"{'eff':>5} {'parts':>5} {'model':>6} {'alpha':>5} {'cpu':>5} {'vs dflt':>7} "
           f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7}")
     for r in rows:
         print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
               f"{1e3 * r['predicted_s']:6.1f} {1e3 * r['alpha_s']:5.2f} {1e3 * r['cpu_s']:5.2f} "
-              f"{1e3 * r['contention_s_per_mib']:5.2f} "
               f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f} "
               f"{r['ceiling']:7.2f}")
     print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15; "

@@ -113,8 +113,7 @@ def train(schedule: str, args) -> dict:
                 partitions=counters["partitions"] if counters else 1,
                 predicted_s=counters["predicted_step_s"] if counters else 0.0,
                 alpha_s=counters["alpha_s"] if counters else 0.0,
-                cpu_s=counters["cpu_s"] if counters else 0.0,
-                contention_s_per_mib=counters["contention_s_per_mib"] if counters else 0.0)
+                cpu_s=counters["cpu_s"] if counters else 0.0)
 
 
 def main():
@@ -153,7 +152,6 @@ def main():
                  exposed_s=statistics.median(r["exposed_s"] for r in rs),
                  partitions=rs[-1]["partitions"], predicted_s=rs[-1]["predicted_s"],
                  alpha_s=rs[-1]["alpha_s"], cpu_s=rs[-1]["cpu_s"],
-                 contention_s_per_mib=rs[-1]["contention_s_per_mib"],
                  compute_s=3 * sum(layer.seconds for layer in probe),
                  bytes=sum(p.numel() * p.element_size() for p in probe.parameters()))
             for s, rs in runs.items()]

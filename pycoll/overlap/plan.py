@@ -14,13 +14,11 @@ F_l, backward time B_l, measured):
   its pull: the two directions of the links, so the pull of one partition overlaps the
   push of the next); alpha and beta are fitted to transfers timed when planning (under
   ``--link``, the emulated link's times).
-- A partition also costs compute: ``cpu`` (packing it, handing it over), and, unless it
-  holds the first layer's rows (whose transfer the next forward waits for), ``contention``
-  per byte: on a host with few cores, the CPU a transfer takes while compute runs (the
-  emulator's, MPI's, the server's) delays that compute. No transfer hides these costs,
-  so they go on the compute's own time line, when backward issues the partition.
+- A partition also costs the compute ``cpu`` (packing it, handing it over, and the CPU
+  its transfer takes from compute on a host with few cores): compute cannot hide it,
+  so it goes on the compute's own time line, when backward issues the partition.
 - Backward runs L..1. Partition k is ready once every layer it holds pieces of is done
-  backward, and issued its compute cost later. Partitions are issued in the plan's issue order
+  backward, and issued ``cpu`` later. Partitions are issued in the plan's issue order
   (every rank the same order; a partition is issued once it is ready and the one before
   it in the order is issued) and go one at a time through each stage in that order, so
   a partition enters a stage at max(its end of the stage before (its issue for the
@@ -28,7 +26,7 @@ F_l, backward time B_l, measured):
 - The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
   holding its pieces has arrived. Step time T = the end of the last forward, counted from
   the start of backward. K = 1 is the default schedule, T = B + cpu + stages * c(all) +
-  F (nothing overlaps compute: no contention); the overlap bound is max(B + F, c(all)); what T exceeds B + F by is exposed
+  F; the overlap bound is max(B + F, c(all)); what T exceeds B + F by is exposed
   communication.
 
 Greedy (after the iPart paper, TPDS 2021): P_1 is the first layer's pieces (small: it
@@ -62,10 +60,10 @@ the one partition's (nothing travels while it computes), and so is beta: the nex
 forward waited for all of the bytes' stages with nothing overlapped, so beta = bytes /
 (that wait / stages - alpha), alpha a timed small transfer's (large transfers timed on
 one rank saw a fraction of a stage where a PS server answers the workers in turn).
-``cpu`` is the time issuing a partition took, and ``contention`` what the layerwise
-steps' compute exceeds the one partition's by, less their partitions' ``cpu``, per byte
-that travelled beside compute (charged to alpha instead, the model hid it behind
-compute, and planned partitions that slowed the compute they were to hide behind). A partition still costs more than that (a BSP round
+``cpu`` is the larger of the time issuing a partition took and what the layerwise
+steps' compute exceeds the one partition's by, per extra partition (charged to alpha
+instead, the model hid it behind compute, and planned partitions that each slowed the
+compute they were to hide behind). A partition still costs more than that (a BSP round
 waits for every worker's push; each message has software costs), so alpha is then
 raised until the model gives the step time measured under layerwise (``calibrate``); a
 link that hides nothing then plans few partitions.
@@ -102,7 +100,6 @@ class Profile:
     beta: float                # bytes per second
     stages: int = 1            # 1: allreduce; 2: the PS's push, then pull
     cpu: float = 0.0           # seconds of compute each partition costs (at its issue)
-    contention: float = 0.0    # and per byte, unless it holds the first layer's rows
 
 
 def pieces(tensors: Sequence[Tensor], order: Sequence[int], grain: int) -> List[Piece]:
@@ -150,8 +147,8 @@ def check_cover(parts: Sequence[Partition], tensors: Sequence[Tensor]) -> None:
 
 def ready_times(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
                 profile: Profile) -> Tuple[List[float], float]:
-    """When backward has made each partition ready and issued it (its compute cost each,
-    in the order they become ready), and when backward ends."""
+    """When backward has made each partition ready and issued it (``cpu`` each, in the
+    order they become ready), and when backward ends."""
     backward_at = {layer: i for i, layer in enumerate(reversed(order))}
     readies: List[List[int]] = [[] for _ in order]   # by backward position: what it readies
     for k, part in enumerate(parts):
@@ -160,16 +157,9 @@ def ready_times(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Se
     for at, layer in enumerate(reversed(order)):
         t += profile.backward[layer]
         for k in readies[at]:
-            t += compute_cost(parts[k], tensors, order, profile)
+            t += profile.cpu
             ready[k] = t
     return ready, t
-
-
-def compute_cost(part: Partition, tensors: Sequence[Tensor], order: Sequence[int],
-                 profile: Profile) -> float:
-    """The compute partition ``part`` costs (see the module's docstring)."""
-    waited_for = any(tensors[p.tensor].layer == order[0] for p in part)
-    return profile.cpu + (0.0 if waited_for else profile.contention * nbytes(part, tensors))
 
 
 def reverse(parts: Sequence[Partition]) -> List[int]:

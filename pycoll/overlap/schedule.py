@@ -29,8 +29,8 @@ partition makes one after the other (``plan``'s cost model).
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
-  (spent waiting for partitions in forward and at ``step``); the fitted alpha, cpu and
-  contention of the last plan (on the first rank). On the timeline
+  (spent waiting for partitions in forward and at ``step``); the fitted alpha and cpu
+  per partition of the last plan (on the first rank). On the timeline
   (``--timeline``): each partition from issue to arrival, and each forward's wait.
 """
 import atexit
@@ -230,14 +230,9 @@ class Schedule:
             stage = one.exposed / self.transport.stages
             beta = sum(t.rows * t.row_bytes for t in self.tensors) / max(stage - alpha, stage / 4,
                                                                          1e-9)
-            # Layerwise: every partition but the first layer's travels beside compute.
-            parts = self._layerwise.parts
-            excess = layerwise.compute - one.compute - (len(parts) - 1) * layerwise.issue
-            beside = sum(planner.nbytes(part, self.tensors) for part in parts) - \
-                sum(planner.nbytes(part, self.tensors) for part in parts
-                    if any(self.tensors[p.tensor].layer == order[0] for p in part))
-            profile = Profile(one.forward, one.backward, alpha, beta, self.transport.stages,
-                              layerwise.issue, max(excess, 0.0) / max(beside, 1))
+            extra = max(len(self._layerwise.parts) - 1, 1)
+            cpu = max(layerwise.issue, (layerwise.compute - one.compute) / extra)
+            profile = Profile(one.forward, one.backward, alpha, beta, self.transport.stages, cpu)
             profile = self.profile = planner.calibrate(
                 self._layerwise.parts, self.tensors, self._layerwise.order, profile,
                 layerwise.step, self._layerwise.issue)
@@ -379,7 +374,6 @@ class Schedule:
         return dict(schedule=self.kind, steps=self._step, partitions=len(self.plan.parts),
                     plan_version=self.plan.version, predicted_step_s=self.plan.predicted_s,
                     alpha_s=fitted.alpha if fitted else 0.0, cpu_s=fitted.cpu if fitted else 0.0,
-                    contention_s_per_mib=fitted.contention * 2**20 if fitted else 0.0,
                     step_s=[s for s, _ in steps], exposed_s=[e for _, e in steps])
 
     def remove(self) -> None:

@@ -2,27 +2,36 @@
 
     python bench/overlap.py [--workers 4 --servers 1 --link 50us,1.25GB/s --link 50us,125MB/s]
 
-Runs examples/overlap_train.py (a model of many small layers and two large ones, compute
-emulated by sleeping, so overlap shows on a few cores) once per link and mode, each job
-training with every schedule ``--rounds`` times in turn: ``--workers`` workers +
-``--servers`` servers under BSP, and ``--workers``-rank allreduce.
+Runs examples/overlap_train.py (many small layers and two large ones, compute emulated
+by sleeping, so overlap shows on a few cores) once per link and mode, each job training
+with every schedule ``--rounds`` times in turn: ``--workers`` workers + ``--servers``
+servers under BSP, and ``--workers``-rank allreduce. ``--layout end`` (the default) puts
+the large layers before the output layer, like the fully-connected layers of VGG-16 and
+AlexNet (the models of the iPart and ByteScheduler papers): their gradients are ready
+early in backward and needed late in forward, the overlap those papers exploit.
+``--layout middle`` puts them mid-way, where neither backward nor forward has much
+compute left to hide their transfer behind.
 
 A layer's compute is scaled so that a step's compute equals its communication by the
-link model, where overlap pays most, but never under ``MIN_MS`` per small layer (below
-that the hooks' own CPU time on a busy machine is not small beside it; ``--ms`` fixes
-it). Larger models would balance the 10 Gb/s link instead, but their real copies cost
+link model, where overlap pays most: the issue's question is whether a schedule hides
+communication, and only where the two are equal does hiding all of it halve the step
+(allreduce) or more (the PS); with either much larger, every schedule is near the bound.
+It is never under ``MIN_MS`` per small layer (below that the hooks' own CPU time on a
+busy machine is not small beside it; ``--ms`` fixes it), so at 10 Gb/s compute is the
+larger. Larger models would balance the 10 Gb/s link instead, but their real copies cost
 CPU time the link model does not see (4+ ranks on 2 cores).
 
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
-iPart's step by its own model (calibrated to the profiled steps), iPart's speedups over
-default and layerwise, step / overlap bound, and the ceiling of any schedule's gain over
-default (default's serial step by the model / the bound: 2x for allreduce where compute
-= comm, 3x for the PS, whose pulls follow all pushes). Compute is the step time of the
-same training with no communication, measured in the same job on every rank at once;
-communication is the link model's time for a step's bytes (allreduce: the emulated
-ring's cost; PS: every worker's bytes through the servers' links, one direction); the
-bound is their maximum. Writes bench/results/overlap.json and overlap.png.
+iPart's step by its own model (calibrated to the profiled steps) with the alpha and cpu
+(per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
+overlap bound, and the ceiling of any schedule's gain over default (default's serial
+step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
+whose pulls follow all pushes). Compute is the step time of the same training with no
+communication, measured in the same job on every rank at once; communication is the
+link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
+worker's bytes through the servers' links, one direction); the bound is their maximum.
+Writes bench/results/overlap.json and overlap.png.
 """
 import argparse
 import json
@@ -61,7 +70,8 @@ def run(mode, link, args) -> dict:
     ranks = args.workers + (args.servers if ps else 0)
     out = run_job(ranks, "overlap_train.py",
                   ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
-                   "--width", args.width, "--ms", f"{small_layer_ms(mode, link, args):.4f}"]
+                   "--width", args.width, "--ms", f"{small_layer_ms(mode, link, args):.4f}",
+                   "--layout", args.layout]
                   + (["--ps"] if ps else []), flags=flags)
     rows = {row["schedule"]: row for row in out["rows"]}
     if rows["default"]["bytes"] != model_bytes(args.small, args.width):
@@ -95,7 +105,8 @@ def table(results, args) -> list:
             rows.append(dict(
                 mode=mode, link=link, schedule=s, step_s=r["step_s"], compute_s=compute,
                 comm_s=comm, exposed_s=r["exposed_s"], efficiency=compute / r["step_s"],
-                partitions=r["partitions"], predicted_s=r.get("predicted_s", 0.0),
+                partitions=r["partitions"], predicted_s=r["predicted_s"], alpha_s=r["alpha_s"],
+                cpu_s=r["cpu_s"],
                 vs_default=by["default"]["step_s"] / r["step_s"],
                 vs_layerwise=by["layerwise"]["step_s"] / r["step_s"],
                 over_bound=r["step_s"] / bound, ceiling=serial(mode, compute, comm) / bound))
@@ -112,6 +123,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
     parser.add_argument("--small", type=int, default=24)
     parser.add_argument("--width", type=int, default=4096, help="the large layers'")
+    parser.add_argument("--layout", choices=("end", "middle"), default="end",
+                        help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
                         help="a small layer's forward, ms (0: compute = communication)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in turn")
@@ -132,12 +145,12 @@ def main():
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
               f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
     print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
-          f"{'eff':>5} {'parts':>5} {'model':>6} {'vs dflt':>7} {'vs lw':>6} {'/bound':>6} "
-          f"{'ceiling':>7}")
+          f"{'eff':>5} {'parts':>5} {'model':>6} {'alpha':>5} {'cpu':>5} {'vs dflt':>7} "
+          f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7}")
     for r in rows:
         print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
-              f"{1e3 * r['predicted_s']:6.1f} "
+              f"{1e3 * r['predicted_s']:6.1f} {1e3 * r['alpha_s']:5.2f} {1e3 * r['cpu_s']:5.2f} "
               f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f} "
               f"{r['ceiling']:7.2f}")
     print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15; "

@@ -58,16 +58,18 @@ class Size:
 
 
 SAPS_ALL = ["bsp", "asp", "ssp:3", "fluentps:3", "saps"]
-_IPART = dict(workers=(2, 4), repeat=1, steps=8, small=24, width=4096,
+# 16 steps: iPart profiles steps 0-7 (one partition, then layerwise) and plans; the
+# second half is measured.
+_IPART = dict(workers=(2, 4), repeat=1, steps=16, small=24, width=4096,
               modes=("allreduce", "ps"), link="50us,125MB/s")
 SIZES = {"tiny": Size(1, 1, [2], 1.5, 4, 1, 2, False, 2, ["a"], ["saps"],
                       dict(_IPART, workers=(2,), steps=6, small=6, width=1024,
                            modes=("allreduce",)), ripples_scenarios=("rank 3 slowed 4x",)),
          "quick": Size(1, 4, [2, 4], 5.0, 6, 6, 4, True, 4, ["a"], SAPS_ALL, _IPART),
          "full": Size(3, 10, [2, 4, 6], 10.0, 8, 10, 4, True, 4, ["a", "b"], SAPS_ALL,
-                      # PS layerwise at 8 workers: seconds a step; 10 steps (the second
-                      # half measured) and 2 repetitions keep the sweep near 5 minutes
-                      dict(_IPART, workers=(2, 4, 8), repeat=2, steps=10))}
+                      # PS layerwise at 8 workers: seconds a step; 2 repetitions keep
+                      # the sweep near 8 minutes
+                      dict(_IPART, workers=(2, 4, 8), repeat=2))}
 
 
 def time_to(curve, target: float = TARGET):
@@ -266,7 +268,7 @@ def _ipart_points(size: Size):
     ipart = size.ipart
 
     def point(mode, workers):
-        settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, workers=workers, **{
+        settings = argparse.Namespace(servers=1, rounds=1, ms=1.0, layout="end", workers=workers, **{
             k: ipart[k] for k in ("steps", "small", "width")})
 
         def run(seed: int) -> dict:

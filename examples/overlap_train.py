@@ -46,19 +46,31 @@ class Layer(torch.nn.Linear):
         return torch.relu(_Sleep.apply(super().forward(x), self.seconds))
 
 
-def model(small: int, width: int, ms: float):
+LAYOUTS = ("end", "middle")
+
+
+def model(small: int, width: int, ms: float, layout: str = "end"):
+    """The first layer, ``small`` small layers and the output layer (64 wide), and two
+    large ones (64 x ``width``, ``width`` x 64) before the output layer ("end": VGG's and
+    AlexNet's fully-connected layers, the models of iPart's and ByteScheduler's papers) or
+    after the middle small layer ("middle")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"overlap_train: layout {layout!r} is not one of {LAYOUTS}")
     torch.manual_seed(0)
+    large = [Layer(64, width, 4 * ms / 1000), Layer(width, 64, 4 * ms / 1000)]
     layers = [Layer(64, 64, ms / 1000)]
     for i in range(small):
         layers.append(Layer(64, 64, ms / 1000))
-        if i == small // 2:          # two large layers in the middle: iPart splits them
-            layers += [Layer(64, width, 4 * ms / 1000), Layer(width, 64, 4 * ms / 1000)]
+        if layout == "middle" and i == small // 2:
+            layers += large
+    if layout == "end":
+        layers += large
     layers.append(Layer(64, 8, ms / 1000))
     return torch.nn.Sequential(*layers)
 
 
 def train(schedule: str, args) -> dict:
-    m = model(args.small, args.width, args.ms)
+    m = model(args.small, args.width, args.ms, args.layout)
     sched = None
     if schedule == "local":
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
@@ -99,7 +111,9 @@ def train(schedule: str, args) -> dict:
                 exposed_s=statistics.median(counters["exposed_s"][warm - 1:] if counters
                                             else waits[warm:]),
                 partitions=counters["partitions"] if counters else 1,
-                predicted_s=counters["predicted_step_s"] if counters else 0.0)
+                predicted_s=counters["predicted_step_s"] if counters else 0.0,
+                alpha_s=counters["alpha_s"] if counters else 0.0,
+                cpu_s=counters["cpu_s"] if counters else 0.0)
 
 
 def main():
@@ -111,6 +125,8 @@ def main():
     parser.add_argument("--small", type=int, default=24, help="small layers (64x64)")
     parser.add_argument("--width", type=int, default=4096, help="the large layers' width")
     parser.add_argument("--ms", type=float, default=1.0, help="a small layer's forward, ms")
+    parser.add_argument("--layout", choices=LAYOUTS, default="end",
+                        help="where the two large layers sit: before the output layer or mid-way")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -130,11 +146,12 @@ def main():
     for _ in range(args.rounds):
         for schedule in runs:
             runs[schedule].append(train(schedule, args))
-    probe = model(args.small, args.width, args.ms)
+    probe = model(args.small, args.width, args.ms, args.layout)
     rows = [dict(schedule=s, ps=args.ps, workers=pycoll.size(),
                  step_s=statistics.median(r["step_s"] for r in rs),
                  exposed_s=statistics.median(r["exposed_s"] for r in rs),
                  partitions=rs[-1]["partitions"], predicted_s=rs[-1]["predicted_s"],
+                 alpha_s=rs[-1]["alpha_s"], cpu_s=rs[-1]["cpu_s"],
                  compute_s=3 * sum(layer.seconds for layer in probe),
                  bytes=sum(p.numel() * p.element_size() for p in probe.parameters()))
             for s, rs in runs.items()]

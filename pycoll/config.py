@@ -189,7 +189,8 @@ KNOBS = {k.name: k for k in (
          "pycoll.overlap: bytes: iPart splits larger parameters into row runs of at most this "
          "size (one row at least), the units its partitions are made of"),
     Knob("ipart_profile_steps", 3, _number(int, 1, "a whole number of steps >= 1"),
-         "pycoll.overlap: steps iPart profiles (after the first) before it plans"),
+         "pycoll.overlap: steps iPart profiles under one partition, then as many under "
+         "layerwise (each after one to settle), before it plans"),
     Knob("ipart_replan_every", 50, _number(int, 0, "a whole number of steps >= 0"),
          "pycoll.overlap: iPart checks for drift of the step time this often (0: never)"),
     Knob("ipart_drift", 0.25, _number(float, 0, "a positive, finite fraction", above=True),

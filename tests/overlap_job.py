@@ -12,7 +12,7 @@ import pycoll
 import pycoll.ps as ps
 from pycoll.overlap import SCHEDULES, plan as planner
 
-STEPS = 7              # iPart: profiled at 1, plan 1 after it, re-planned at 3-4
+STEPS = 10             # iPart: profiled at 1 and 3, plans 1 after 3 and 2 after 9
 SCHEDULE = [None]        # the running schedule, for the layers' checks
 
 

@@ -2,6 +2,8 @@
 training with each schedule at every rank count; the parameter server's schedules
 through whole jobs (tests/overlap_job.py)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -84,6 +86,22 @@ def test_calibration_makes_the_model_give_the_measured_step_time():
     assert planner.calibrate(layerwise, TENSORS, ORDER, profile, modelled / 2) == profile
     # Per-partition costs that large leave one partition the best plan.
     assert len(planner.choose(TENSORS, ORDER, slower, 64 << 10).parts) < len(layerwise)
+
+
+def test_a_partitions_compute_cost_delays_backward_and_merges_partitions():
+    """``cpu`` goes on the compute's time line (backward ends K * cpu later), where no
+    transfer hides it, so a costly partition makes the planner merge."""
+    items = planner.pieces(TENSORS, ORDER, grain=64 << 10)
+    layerwise = planner.by_layer(items, TENSORS)
+    free, costly = _profile(50e-6, 125e6), replace(_profile(50e-6, 125e6), cpu=2e-3)
+    ready, end = planner.ready_times(layerwise, TENSORS, ORDER, costly)
+    assert end == pytest.approx(20e-3 + len(layerwise) * 2e-3)
+    assert ready[-1] == pytest.approx(2e-3 + 2e-3)           # the last layer's, issued first
+    assert planner.simulate([tuple(items)], TENSORS, ORDER, costly) == \
+        pytest.approx(planner.simulate([tuple(items)], TENSORS, ORDER, free) + 2e-3)
+    many = planner.choose(TENSORS, ORDER, free, 64 << 10)
+    few = planner.choose(TENSORS, ORDER, costly, 64 << 10)
+    assert 1 < len(few.parts) < len(many.parts)
 
 
 def test_priority_order_lets_what_the_next_forward_needs_overtake_the_backlog():
@@ -172,6 +190,28 @@ def test_partitions_go_in_the_plans_issue_order_and_forward_waits_for_its_own():
         s.finish()                                 # the others, in issue order
         assert s.transport.log == [("complete", 0), ("complete", 3), ("complete", 1),
                                    ("complete", 2)]
+    finally:
+        s.remove()
+
+
+class _Probing(_Recording):
+    def probe(self, nbytes):
+        return 1e-4 + nbytes / 1e9
+
+
+def test_ipart_profiles_one_partition_then_layerwise_then_plans():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    with config.overriding(ipart_profile_steps=2):
+        s = sched.Schedule(model, list(model.parameters()), "ipart", _Probing, lambda t: t)
+    try:
+        plans = []
+        for _ in range(6):
+            plans.append(len(s.plan.parts))
+            model(torch.ones(2, 4)).sum().backward()
+            s.step()
+        assert plans == [1, 1, 1, 4, 4, 4]               # a step to settle, two profiled
+        assert s.plan.version == 1 and s.plan.predicted_s > 0
+        planner.check_cover(s.plan.parts, s.tensors)
     finally:
         s.remove()
 

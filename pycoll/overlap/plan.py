@@ -14,25 +14,30 @@ F_l, backward time B_l, measured):
   its pull: the two directions of the links, so the pull of one partition overlaps the
   push of the next); alpha and beta are fitted to transfers timed when planning (under
   ``--link``, the emulated link's times).
+- A partition also costs the compute ``cpu`` (packing it, handing it over, and the CPU
+  its transfer takes from compute on a host with few cores): compute cannot hide it,
+  so it goes on the compute's own time line, when backward issues the partition.
 - Backward runs L..1. Partition k is ready once every layer it holds pieces of is done
-  backward. Partitions are issued in the plan's issue order (every rank the same order;
-  a partition is issued once it is ready and the one before it in the order is issued)
-  and go one at a time through each stage in that order, so a partition enters a stage
-  at max(its end of the stage before (its issue for the first), the end of the
-  partition before it in this stage) and leaves it c(P) later.
+  backward, and issued ``cpu`` later. Partitions are issued in the plan's issue order
+  (every rank the same order; a partition is issued once it is ready and the one before
+  it in the order is issued) and go one at a time through each stage in that order, so
+  a partition enters a stage at max(its end of the stage before (its issue for the
+  first), the end of the partition before it in this stage) and leaves it c(P) later.
 - The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
   holding its pieces has arrived. Step time T = the end of the last forward, counted from
-  the start of backward. K = 1 is the default schedule, T = B + stages * c(all) + F; the
-  overlap bound is max(B + F, c(all)); what T exceeds B + F by is exposed communication.
+  the start of backward. K = 1 is the default schedule, T = B + cpu + stages * c(all) +
+  F; the overlap bound is max(B + F, c(all)); what T exceeds B + F by is exposed
+  communication.
 
 Greedy (after the iPart paper, TPDS 2021): P_1 is the first layer's pieces (small: it
 goes last and is needed first, so its transfer is the exposed tail). Each next
 partition takes pieces in forward order while its cost stays within lambda times the
 compute of the previous partition (a piece's share of F_l + B_l is its share of the
-layer's bytes): its transfer hides behind that compute on the way back and again on the
-way forward. It always takes at least one piece. lambda trades messages (alpha each)
-against exposed time: the planner builds plans for lambda in ``LAMBDAS``, adds one
-partition per layer and one for everything, and keeps the plan whose modelled T is least.
+layer's bytes): its transfer (and its ``cpu``) hides behind that compute on the way back
+and again on the way forward. It always takes at least one piece. lambda trades messages
+(alpha and cpu each) against exposed time: the planner builds plans for lambda in
+``LAMBDAS``, adds one partition per layer and one for everything, and keeps the plan
+whose modelled T is least.
 The greedy cuts by compute alone, so it can merge a large layer with small ones that
 finish backward later, whose transfer then waits for them; ``refine`` (local search:
 split a partition where a layer ends, or merge two neighbours, best move first, while T
@@ -50,10 +55,18 @@ Damping: a re-plan keeps the running partitions and order unless the new plan's
 modelled T is at least ``KEEP`` (relative) below theirs under the same new profile, so
 that noise in the profile does not change the plan from one re-plan to the next.
 
-Calibration: a transfer costs more per partition than a timed probe shows (a BSP round
-waits for every worker's push; each message has software costs). So alpha is raised
-until the model gives the step time measured while profiling, under the plan then
-running (``calibrate``); a link that hides nothing then plans few partitions.
+Calibration (``schedule`` profiles one partition, then one per layer): F_l and B_l are
+the one partition's (nothing travels while it computes), and so is beta: the next
+forward waited for all of the bytes' stages with nothing overlapped, so beta = bytes /
+(that wait / stages - alpha), alpha a timed small transfer's (large transfers timed on
+one rank saw a fraction of a stage where a PS server answers the workers in turn).
+``cpu`` is the larger of the time issuing a partition took and what the layerwise
+steps' compute exceeds the one partition's by, per extra partition (charged to alpha
+instead, the model hid it behind compute, and planned partitions that each slowed the
+compute they were to hide behind). A partition still costs more than that (a BSP round
+waits for every worker's push; each message has software costs), so alpha is then
+raised until the model gives the step time measured under layerwise (``calibrate``); a
+link that hides nothing then plans few partitions.
 """
 import json
 from dataclasses import dataclass, replace
@@ -86,6 +99,7 @@ class Profile:
     alpha: float               # seconds per partition and stage
     beta: float                # bytes per second
     stages: int = 1            # 1: allreduce; 2: the PS's push, then pull
+    cpu: float = 0.0           # seconds of compute each partition costs (at its issue)
 
 
 def pieces(tensors: Sequence[Tensor], order: Sequence[int], grain: int) -> List[Piece]:
@@ -133,12 +147,19 @@ def check_cover(parts: Sequence[Partition], tensors: Sequence[Tensor]) -> None:
 
 def ready_times(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
                 profile: Profile) -> Tuple[List[float], float]:
-    """When backward has made each partition ready, and when backward ends."""
-    done, t = {}, 0.0
-    for layer in reversed(order):
+    """When backward has made each partition ready and issued it (``cpu`` each, in the
+    order they become ready), and when backward ends."""
+    backward_at = {layer: i for i, layer in enumerate(reversed(order))}
+    readies: List[List[int]] = [[] for _ in order]   # by backward position: what it readies
+    for k, part in enumerate(parts):
+        readies[max(backward_at[tensors[p.tensor].layer] for p in part)].append(k)
+    ready, t = [0.0] * len(parts), 0.0
+    for at, layer in enumerate(reversed(order)):
         t += profile.backward[layer]
-        done[layer] = t
-    return [max(done[tensors[p.tensor].layer] for p in part) for part in parts], t
+        for k in readies[at]:
+            t += profile.cpu
+            ready[k] = t
+    return ready, t
 
 
 def reverse(parts: Sequence[Partition]) -> List[int]:
@@ -221,9 +242,9 @@ def greedy(items: Sequence[Piece], tensors: Sequence[Tensor], order: Sequence[in
         if current and not grow:
             parts.append(tuple(current))
             budget = lam * sum(compute(q) for q in current)
-            current, cost = [], profile.alpha
+            current, cost = [], profile.alpha + profile.cpu
         current.append(p)
-        cost = (cost or profile.alpha) + size / profile.beta
+        cost = (cost or profile.alpha + profile.cpu) + size / profile.beta
     if current:
         parts.append(tuple(current))
     return parts

@@ -2,12 +2,13 @@
 
 ``Schedule`` is shared by the parameter server (``ps.TorchWorker``) and allreduce
 training (``pycoll.torch.DistributedOptimizer``); a transport (``transports``, made by
-``make_transport(pieces)`` from the fixed pieces) gives it the operations that differ: ``issue(k, rows)`` starts partition k's transfer of its gradient
-rows and returns a handle; ``complete(k, handle)`` waits for it and puts the result in
-place (the PS pulled parameters, allreduce's per-parameter update once all its rows are
-in). ``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls
-it together), so the planner can fit alpha and beta; ``stages`` is how many such
-transfers a partition makes one after the other (``plan``'s cost model).
+``make_transport(pieces)`` from the fixed pieces) gives it the operations that differ:
+``issue(k, rows)`` starts partition k's transfer of its gradient rows and returns a
+handle; ``complete(k, handle)`` waits for it and puts the result in place (the PS pulled
+parameters, allreduce's per-parameter update once all its rows are in).
+``probe(nbytes)`` times one blocking transfer of that many bytes (every rank calls it
+together), so the planner can fit alpha; ``stages`` is how many such transfers a
+partition makes one after the other (``plan``'s cost model).
 
 - Backward: a hook on every parameter notes its gradient; a partition is issued once
   every tensor it holds rows of has its gradient and the partitions before it in the
@@ -16,25 +17,27 @@ transfers a partition makes one after the other (``plan``'s cost model).
 - Forward: a pre-hook on every layer (module with parameters of its own) completes the
   partitions holding that layer's rows, and only those, before the layer runs; the
   other partitions stay in flight. "default" completes everything at ``step``.
-- Plans: "default" is one partition, "layerwise" one per layer (in the modules' order),
-  "ipart" starts layerwise, profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (per-layer
-  forward and backward times, measured between the hooks, and step times), probes the
-  link (timed transfers: under ``--link``, the emulated link's times), calibrates alpha
-  to the profiled step time (``plan.calibrate``) and plans (``plan.choose``: the
-  partitions and their issue order; a re-plan keeps the running plan unless the new one
-  models clearly faster) on the first rank, whose plan every rank adopts (``agree``).
+- Plans: "default" is one partition, "layerwise" one per layer (in the modules' order).
+  "ipart" profiles ``PYCOLL_IPART_PROFILE_STEPS`` steps (after one to settle) under one
+  partition, then as many under layerwise (per-layer forward and backward times,
+  measured between the hooks; step times; the forward's waits; the time issuing takes),
+  times a small transfer (alpha; under ``--link``, the emulated link's), fits the cost
+  model to them (``plan``'s calibration) and plans (``plan.choose``: the partitions and
+  their issue order; a re-plan keeps the running plan unless the new one models clearly
+  faster) on the first rank, whose plan every rank adopts (``agree``).
   Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
 - Counters (``counters()``): per step, the step time and the exposed communication time
-  (spent waiting for partitions in forward and at ``step``). On the timeline
+  (spent waiting for partitions in forward and at ``step``); the fitted alpha and cpu
+  per partition of the last plan (on the first rank). On the timeline
   (``--timeline``): each partition from issue to arrival, and each forward's wait.
 """
 import atexit
 import collections
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -114,6 +117,19 @@ def unpack_rows(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], rows: Seq
         _C.unpack_rows(buffer.data_ptr(), *_rows_args(tensors, rows))
 
 
+class Phase(NamedTuple):
+    """What profiling one plan measured: per layer and step, means; per step, medians."""
+    forward: List[float]
+    backward: List[float]
+    step: float
+    exposed: float
+    issue: float            # seconds issuing a partition took (packing, handing over)
+
+    @property
+    def compute(self) -> float:
+        return sum(self.forward) + sum(self.backward)
+
+
 class Schedule:
     """See the module's docstring. ``agree(text)`` returns the first rank's ``text`` on
     every rank (a collective)."""
@@ -130,22 +146,25 @@ class Schedule:
         # The pieces are fixed (a PS declares one key per piece); plans only regroup them.
         self.pieces = sorted(items)
         self.transport = make_transport(self.pieces)
-        self._install(Plan([tuple(items)] if kind == "default" else planner.by_layer(items, self.tensors),
-                           registration))
+        self._one = Plan([tuple(items)], registration)
+        self._layerwise = Plan(planner.by_layer(items, self.tensors), registration)
+        self._install(self._layerwise if kind == "layerwise" else self._one)
         self._ready = [False] * len(self.params)
         self._in_flight: Dict[int, tuple] = {}         # partition -> (handle, issued at)
         self._next = 0                                  # the next to issue: plan.issue[_next]
         self._step, self._last_step_at = 0, None
         self._exposed = 0.0
+        self._issuing = 0.0                             # seconds issuing (profiled)
         self.history = collections.deque(maxlen=HISTORY)   # (step_s, exposed_s)
-        self._profiling = kind == "ipart"
+        self._profiling = False
         self._profile_steps = int(config.get("ipart_profile_steps"))
         self._replan_every = int(config.get("ipart_replan_every"))
         self._drift = float(config.get("ipart_drift"))
-        self._reset_profile()
         self._baseline: Optional[float] = None
-        self._forward_order: List[int] = []
         self._started: Dict[int, float] = {}
+        self.profile: Optional[Profile] = None         # the last plan's (first rank only)
+        if kind == "ipart":
+            self._start_profile()
         self._hooks = [m.register_forward_pre_hook(self._make_pre_forward(i))
                        for i, m in enumerate(self.modules)]
         self._hooks += [m.register_forward_hook(self._make_post_forward(i))
@@ -169,48 +188,63 @@ class Schedule:
         self._tensors_of = [sorted({p.tensor for p in part}) for part in new.parts]
         self.transport.adopt(new)
 
-    def _reset_profile(self) -> None:
+    # ------------------------------------------------------------ profiling
+    def _start_profile(self) -> None:
+        """Profile under one partition, then under layerwise (see the module's docstring);
+        ``_running`` is what a re-plan keeps unless the new plan is clearly faster."""
+        self._running = self.plan
+        self._phases = [self._one, self._layerwise]
+        self._measured: List[Phase] = []
+        self._forward_order: List[int] = []
+        self._next_phase()
+
+    def _next_phase(self) -> None:
+        """Run the next profiling plan, with nothing in flight."""
+        self.finish()
+        phase = self._phases.pop(0)
+        self._install(Plan(phase.parts, phase.order, version=self._running.version))
+        self._next = 0
+        self._profiling = True
         self._fwd = [0.0] * len(self.modules)
         self._bwd = [0.0] * len(self.modules)
         self._done: Dict[int, float] = {}
-        self._profiled = 0
-        self._profiled_steps: List[float] = []     # step times while profiling
+        self._phase_steps = 0                      # the first is not profiled: it settles
+        self._profiled_steps: List[Tuple[float, float]] = []     # (step, exposed) times
+        self._issuing = 0.0                        # seconds spent issuing partitions
         self._forward_end = 0.0
 
+    def _profiled(self) -> bool:
+        return self._profiling and self._phase_steps > 0
+
     def _planned(self) -> Plan:
-        """The first rank's plan from its profile (every rank calls it together)."""
-        alpha, beta = self._probe()
+        """The first rank's plan from the profiles (every rank calls it together)."""
+        alpha = min(self.transport.probe(8) for _ in range(3))     # noise only adds
         text = ""
         if self.first:
-            n = max(self._profiled, 1)
+            one, layerwise = self._measured
             order = self._forward_order + [l for l in range(len(self.modules))
                                            if l not in self._forward_order]
-            profile = Profile([f / n for f in self._fwd], [b / n for b in self._bwd], alpha, beta,
-                              self.transport.stages)
-            if self._profiled_steps:
-                profile = planner.calibrate(self.plan.parts, self.tensors, self.plan.order,
-                                            profile, statistics.median(self._profiled_steps),
-                                            self.plan.issue)
+            # One partition: the next forward waits for all of the bytes' stages, nothing
+            # overlapped. Their share at least a quarter of it: on a busy host the wait can
+            # be near alpha by noise alone, and beta would be unbounded.
+            stage = one.exposed / self.transport.stages
+            beta = sum(t.rows * t.row_bytes for t in self.tensors) / max(stage - alpha, stage / 4,
+                                                                         1e-9)
+            extra = max(len(self._layerwise.parts) - 1, 1)
+            cpu = max(layerwise.issue, (layerwise.compute - one.compute) / extra)
+            profile = Profile(one.forward, one.backward, alpha, beta, self.transport.stages, cpu)
+            profile = self.profile = planner.calibrate(
+                self._layerwise.parts, self.tensors, self._layerwise.order, profile,
+                layerwise.step, self._layerwise.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
-                                  self.plan.version + 1, self.plan).to_json()
+                                  self._running.version + 1, self._running).to_json()
         return Plan.from_json(self.agree(text))
-
-    def _probe(self) -> Tuple[float, float]:
-        """alpha and beta fitted to timed transfers of 8 bytes and of the model's bytes
-        (capped at 4 MiB), three of each, the least of each (noise only adds). The
-        bytes' share of the large one is taken as at least a quarter of it: on a busy
-        host the two times can differ by noise alone, and a difference near zero makes
-        beta unbounded (partitions then look free)."""
-        large = max(64 << 10, min(4 << 20, sum(t.rows * t.row_bytes for t in self.tensors)))
-        small_s = min(self.transport.probe(8) for _ in range(3))
-        large_s = min(self.transport.probe(large) for _ in range(3))
-        return small_s, max(large - 8, 1) / max(large_s - small_s, large_s / 4, 1e-9)
 
     # ------------------------------------------------------------ backward
     def _make_grad_ready(self, i: int):
         def ready(p):
             self._ready[i] = True
-            if self._profiling:
+            if self._profiled():
                 layer = self.tensors[i].layer
                 self._done[layer] = time.perf_counter()
             if self.kind != "default":
@@ -221,8 +255,10 @@ class Schedule:
         issue = self.plan.issue
         while self._next < len(issue) and may(issue[self._next]):
             k = issue[self._next]
+            start = time.perf_counter()
             self._in_flight[k] = (self.transport.issue(k, self.plan.parts[k]),
                                   timeline.now() if timeline.on else 0.0)
+            self._issuing += time.perf_counter() - start
             self._next += 1
 
     def step(self) -> None:
@@ -230,7 +266,7 @@ class Schedule:
         "default" waits for everything here. Then the step's counters, and profiling,
         planning and re-planning."""
         self._issue(lambda k: True)
-        if self._profiling and self._done:
+        if self._profiled():
             self._profile_backward()
         if self.kind == "default":
             self.finish()
@@ -238,33 +274,39 @@ class Schedule:
         self._next = 0
         if self._last_step_at is not None:
             self.history.append((time.perf_counter() - self._last_step_at, self._exposed))
-            if self._profiling and self._step > 1:
-                self._profiled_steps.append(self.history[-1][0])
+            if self._profiled():
+                self._profiled_steps.append(self.history[-1])
         self._exposed = 0.0
         self._last_step_at = time.perf_counter()
         self._step += 1
+        if self._profiling:
+            self._phase_steps += 1
         if self.kind == "ipart":
             self._maybe_replan()
 
     def _profile_backward(self) -> None:
         """B_l: the time from the previous layer's gradients (or the forward's end) to
         this layer's, in the order backward produced them."""
-        if self._step == 0:         # the first step pays for allocations: not profiled
-            self._done.clear()
-            return
         last = self._forward_end
         for layer, at in sorted(self._done.items(), key=lambda item: item[1]):
             self._bwd[layer] += max(at - last, 0.0)
             last = at
         self._done.clear()
-        self._profiled += 1
 
     def _maybe_replan(self) -> None:
         if self._profiling:
-            if self._profiled >= self._profile_steps:
+            n = len(self._profiled_steps)
+            if n >= self._profile_steps:
+                steps, exposed = zip(*self._profiled_steps)
+                self._measured.append(Phase(
+                    [f / n for f in self._fwd], [b / n for b in self._bwd],
+                    statistics.median(steps), statistics.median(exposed),
+                    self._issuing / ((n + 1) * len(self.plan.parts))))
+                if self._phases:
+                    self._next_phase()
+                    return
                 self.finish()
-                new = self._planned()
-                self._install(new)
+                self._install(self._planned())
                 self._next = 0
                 self._profiling, self._baseline = False, None
                 self._since_plan = 0
@@ -280,9 +322,7 @@ class Schedule:
             elif abs(recent - self._baseline) > self._drift * self._baseline:
                 verdict = "replan"
         if self.agree(verdict) == "replan":
-            self._profiling = True
-            self._forward_order = []
-            self._reset_profile()
+            self._start_profile()
 
     # ------------------------------------------------------------ forward
     def _make_pre_forward(self, layer: int):
@@ -295,7 +335,7 @@ class Schedule:
                 self._exposed += time.perf_counter() - start
                 if timeline.on:      # exposed communication: this layer's forward waited
                     timeline.interval(f"layer {layer} waits", "ipart", began, partitions=waiting)
-            if self._profiling:
+            if self._profiled():
                 if layer not in self._forward_order:
                     self._forward_order.append(layer)
                 self._started[layer] = time.perf_counter()
@@ -303,7 +343,7 @@ class Schedule:
 
     def _make_post_forward(self, layer: int):
         def post_forward(module, inputs, output):
-            if self._profiling and layer in self._started and self._step > 0:
+            if self._profiled() and layer in self._started:
                 now = time.perf_counter()
                 self._fwd[layer] += now - self._started.pop(layer)
                 self._forward_end = now
@@ -330,8 +370,10 @@ class Schedule:
 
     def counters(self) -> dict:
         steps = list(self.history)
+        fitted = self.profile
         return dict(schedule=self.kind, steps=self._step, partitions=len(self.plan.parts),
                     plan_version=self.plan.version, predicted_step_s=self.plan.predicted_s,
+                    alpha_s=fitted.alpha if fitted else 0.0, cpu_s=fitted.cpu if fitted else 0.0,
                     step_s=[s for s, _ in steps], exposed_s=[e for _, e in steps])
 
     def remove(self) -> None:

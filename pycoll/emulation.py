@@ -349,10 +349,12 @@ def _group(comm, members: Optional[tuple] = None) -> _Group:
     return found
 
 
-def _enter(comm, nbytes: int, issued: float = math.inf, members: Optional[tuple] = None):
-    """Before a collective on ``comm`` (among its ranks ``members`` if given): this rank's
-    entry (when it was issued, but not before this rank's previous one ended; its link, its
-    bytes) where the other members can read it; None for a group of one."""
+def enter(kind: str, comm, nbytes: int, issued: float = math.inf,
+          members: Optional[tuple] = None):
+    """Before collective ``kind`` on ``comm`` (among its ranks ``members`` if given): this
+    rank's entry (when it was issued, but not before this rank's previous one ended; its
+    link, its bytes) where the other members can read it, for ``leave``; None for a group
+    of one. The C short path calls it (and ``leave``) around its MPI calls under a link."""
     now = time.monotonic()
     if (comm.Get_size() if members is None else len(members)) <= 1:
         return None
@@ -363,7 +365,7 @@ def _enter(comm, nbytes: int, issued: float = math.inf, members: Optional[tuple]
     key = hash((group.cid, group.count)) & (2**62 - 1) or 1
     mine = (max(min(issued, now), _last_end[0]), *group.my_link(), float(nbytes))
     _slots.write(group.me, next(_written) % _Slots.SLOTS, key, mine)
-    return group, key, mine
+    return kind, group, key, mine
 
 
 _last_end = [0.0]           # when this rank's latest emulated collective ended
@@ -371,8 +373,8 @@ _called = threading.local()
 
 
 def called() -> None:
-    """A blocking collective was called in this thread (past the short path, which does
-    not run under a link): its modelled time runs from here."""
+    """A blocking collective was called in this thread and the short path left it to the
+    general path: its modelled time runs from here."""
     if config.get("link"):
         _called.at = time.monotonic()
 
@@ -397,11 +399,11 @@ def _end(kind: str, n: int, rows) -> float:
         kind, n, total, max(row[1] for row in rows), 1.0 / slowest if slowest > 0 else math.inf)
 
 
-def _leave(entry, kind: str) -> None:
+def leave(entry) -> None:
     """After the real collective: sleep until the modelled end (the same on every member)."""
     if entry is None:
         return
-    group, key, mine = entry
+    kind, group, key, mine = entry
     rows = _entries(group, key)
     if rows is None:                # a broadcast's root can finish before the others come
         # Not before the end this rank's entry alone gives (the others' can only make it
@@ -425,9 +427,9 @@ def modelled(kind: str, what):
         def emulated(*args):
             if not config.get("link"):
                 return run(*args)
-            entry = _enter(*what(*args))
+            entry = enter(kind, *what(*args))
             result = run(*args)
-            _leave(entry, kind)
+            leave(entry)
             return result
         return emulated
     return decorate
@@ -441,9 +443,9 @@ def timed(kind: str, comm, nbytes: int, run, members: Optional[tuple] = None):
     issued = time.monotonic()               # planned in the caller's thread: its call
 
     def emulated():
-        entry = _enter(comm, nbytes, issued, members)
+        entry = enter(kind, comm, nbytes, issued, members)
         result = run()
-        _leave(entry, kind)
+        leave(entry)
         return result
     return emulated
 
@@ -748,7 +750,10 @@ class _Emulator:
         entry.grequest = grequest = MPI.Grequest.Start(_query, _free, _cancel, args=(entry,))
         with self.lock:
             self.new.append(entry)
-            wake = entry.taken is not None if entry.send else not self.tracking
+            # A receive whose record another thread has already read (the parameter
+            # server's payload pieces: reading the header's took theirs too) would wait
+            # for the thread's next poll, backed off to 1 ms: 0.8 ms a piece, measured.
+            wake = entry.taken is not None if entry.send else not self.tracking or bool(self.records)
         # Otherwise a record (SENT or TAKEN) brings the wake-up; a thread that knows of
         # receives also looks at least every FALLBACK_S, and polls while records wait.
         if wake:

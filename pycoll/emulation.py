@@ -12,7 +12,9 @@ passed, so overlap of communication with compute shows as it would on a network.
   paced by the group's slowest link. Each member writes its entry (time, link, bytes) to
   a shared-memory file before the real collective and reads the others' after it, so
   every member computes the same start (the latest entry) and cost and they leave
-  together.
+  together. The C short path runs under a link too, calling ``enter`` and ``leave``
+  around its MPI calls (collectives.py hands them over), so a small collective costs
+  its model plus a wake-up, not the general path's Python.
 - Point-to-point messages (partial all-reduce's ring, the parameter server, torch
   send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
   for egress and one for ingress. A sender puts a message on its egress when it posts

@@ -421,6 +421,36 @@ def test_probed_messages_are_received_without_the_sweep(comm, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_probed_messages_receive_completes_at_its_arrival_in_the_model(comm):
+    """Posted before the modelled arrival, a matched message's Irecv is held until then;
+    posted after it (the parameter server takes a payload piece once it has waited for
+    the header), it completes with the real receive, without the emulation thread."""
+    from mpi4py import MPI
+    r, n = comm.Get_rank(), comm.Get_size()
+    model = LATENCY + 4096 / BANDWIDTH
+    for late in (0.0, 3 * model):
+        box, status = np.empty(1024, np.int32), MPI.Status()
+        start = _together(comm)
+        sent = comm.Isend(np.full(1024, r, np.int32), dest=(r + 1) % n, tag=12)
+        emulation.sleep_until(start + late)
+        message = comm.Improbe((r - 1) % n, 12, status)
+        while message is None:
+            message = comm.Improbe((r - 1) % n, 12, status)
+        posted = time.monotonic()
+        request = message.Irecv(box)
+        while not request.Test():
+            pass
+        done = time.monotonic()
+        assert done - start >= model * 0.99, (late, done - start, model)
+        if late:
+            assert isinstance(request, MPI.Request) and not isinstance(request, MPI.Grequest)
+            assert done - posted < model, (done - posted, model)     # no wait for a turn
+        assert np.all(box == (r - 1) % n), (late, box[:4])
+        sent.Wait()                 # complete once its receiver has taken it: after ours
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_messages_of_one_source_and_tag_complete_in_order(comm, monkeypatch):
     """Receives of one source and tag complete in the order MPI matches them, each with
     its own message: the emulation takes a queue's receives in posting order, also in its

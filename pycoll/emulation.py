@@ -1163,11 +1163,13 @@ def _make_comm_class():
             self._comm._arrived(self._key)
 
         def Irecv(self, buf):
-            real = self._message.Irecv(buf)
+            posted, real = time.monotonic(), self._message.Irecv(buf)
             # A message already arrived in the model (a small one whose header the
             # receiver waited for: the parameter server's payload) completes with its
             # real receive, not on the emulation thread's next turn (0.2-1 ms here).
-            if self._comm._emulator.arrived_by(self._key, time.monotonic()):
+            if self._comm._emulator.arrived_by(self._key, posted):
+                if timeline.on:             # as the thread marks the receives it releases
+                    timeline.interval("emulated receive", "emulated", posted, time.monotonic())
                 return real
             return self._comm._hold_receive(real, *self._key[1:], matched=True)
 

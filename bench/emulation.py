@@ -31,9 +31,9 @@ arrival, so the server cannot apply a piece before then). What can overlap does:
 copy runs while the modelled transfer elapses, and the server applies each payload piece
 (PYCOLL_CHUNK_BYTES) while the next is still arriving, so only the last piece's processing
 comes after the modelled transfer. S is that processing, measured without a link in the
-same run: the time one worker's request of one piece takes (this size, or the largest
-size run that fits in one piece), the server's polling included (it naps up to 1 ms
-between polls, with or without a link). Where a row measures over its model, the excess
+same run: the least time one worker's request of one piece took (this size, or the
+largest size run that fits in one piece), the server's polling included (it naps up to
+1 ms between polls, with or without a link). Where a row measures over its model, the excess
 is the emulation's own: each paced message's release by its thread.
 
 "checked" rows are those whose model exceeds the time without a link: there the
@@ -204,10 +204,11 @@ def model_time(op: str, n: int, nbytes: int, pushers, latency: float, bandwidth:
 
 
 def server_times(real: list) -> dict:
-    """S of each PS row, by (op, bytes): the median time without a link of one worker's
-    request of min(bytes, P), P the largest size run that fits in one payload piece."""
+    """S of each PS row, by (op, bytes): the least time without a link of one worker's
+    request of min(bytes, P), P the largest size run that fits in one payload piece (the
+    least: this machine's load only adds to it, and S is in many rows' models)."""
     from pycoll import tensors
-    ones = {(r["op"], r["bytes"]): statistics.median(r["times"])
+    ones = {(r["op"], r["bytes"]): min(r["times"])
             for r in real if r["op"] in PS and r["pushers"] == 1}
     sizes = sorted({b for _, b in ones})
     if not sizes:

@@ -271,9 +271,10 @@ PYBIND11_MODULE(_C, m) {
          "views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
-         "short_path_settings(enabled, max_bytes, fusion_threshold): whether the *_now functions run, the largest "
-         "tensor allreduce_now takes (and grouped_allreduce_now's piece), the largest list grouped_allreduce_now "
-         "takes."},
+         "short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): whether the *_now "
+         "functions run, the largest tensor allreduce_now takes (and grouped_allreduce_now's piece), the largest list "
+         "grouped_allreduce_now takes; under --link, enter(kind, group, nbytes) -> entry before each one's MPI calls "
+         "and leave(entry) after them."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
          "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},

@@ -196,6 +196,13 @@ struct Settings {
     Py_ssize_t fusion_threshold = 0;  // a grouped allreduce this large is split in groups (PYCOLL_FUSION_THRESHOLD)
 } settings;
 
+// Under --link (pycoll.emulation): enter(kind, group, nbytes) -> entry before a collective's MPI
+// calls, leave(entry) after them (it sleeps until the modelled end); both null without a link.
+struct Link {
+    PyObject* enter = nullptr;
+    PyObject* leave = nullptr;
+} link;
+
 struct World {
     Gate* gate = nullptr;  // the engine's; nullptr while pycoll is not initialized
     intptr_t comm = 0;
@@ -391,6 +398,28 @@ int rank_in(const Target& t) {
 // Whether the short path may run at all now.
 bool active() { return fn.ready && settings.enabled && world.gate && mpi::bound(); }
 
+// One collective paced under --link, nothing without: begin() before its MPI calls, end()
+// after them; each false with an error.
+class Paced {
+   public:
+    bool begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
+        if (!link.enter) return true;
+        Ref enter(Py_NewRef(link.enter)), size(PyLong_FromSsize_t(nbytes));
+        leave_.reset(Py_NewRef(link.leave));  // ours: the settings may change meanwhile
+        PyObject* args[] = {kind, group, size.get()};
+        entry_.reset(size ? PyObject_Vectorcall(enter.get(), args, 3, nullptr) : nullptr);
+        return static_cast<bool>(entry_);
+    }
+    bool end() {
+        if (!leave_) return true;
+        Ref left(PyObject_CallOneArg(leave_.get(), entry_.get()));
+        return static_cast<bool>(left);
+    }
+
+   private:
+    Ref leave_, entry_;
+};
+
 // MPI's error code as mpi4py's exception; nullptr.
 PyObject* mpi_failed(int code) {
     Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
@@ -519,8 +548,16 @@ PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
 PyObject* configure(PyObject*, PyObject* args) {
     int enabled;
     Py_ssize_t max_bytes, fusion_threshold;
-    if (!PyArg_ParseTuple(args, "pnn:short_path_settings", &enabled, &max_bytes, &fusion_threshold)) return nullptr;
+    PyObject *enter = Py_None, *leave = Py_None;
+    if (!PyArg_ParseTuple(args, "pnn|OO:short_path_settings", &enabled, &max_bytes, &fusion_threshold, &enter, &leave))
+        return nullptr;
+    if ((enter == Py_None) != (leave == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "short_path_settings: pass both enter and leave, or neither");
+        return nullptr;
+    }
     settings = {enabled != 0, max_bytes, fusion_threshold};
+    Py_XSETREF(link.enter, enter == Py_None ? nullptr : Py_NewRef(enter));
+    Py_XSETREF(link.leave, leave == Py_None ? nullptr : Py_NewRef(leave));
     Py_RETURN_NONE;
 }
 
@@ -593,13 +630,15 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
+    Paced paced;
+    if (!paced.begin(s.allreduce, group, in.nbytes)) return nullptr;
     const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
     void* recv = inplace ? in.ptr : result.ptr;
     if (!without_gil([&] { return mpi::allreduce(send, recv, static_cast<int>(count), route->datatype, route->op, t.comm); }))
         return nullptr;
     ++runs;
     scale(recv, count, *route, t.size);
-    return out.release();
+    return paced.end() ? out.release() : nullptr;
 }
 
 PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -632,11 +671,13 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.broadcast);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    Paced paced;
+    if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
     const int nbytes = static_cast<int>(in.nbytes), r = static_cast<int>(root);
     if (!without_gil([&] { return mpi::bcast(data, nbytes, fn.byte, r, t.comm); })) return nullptr;
     ++runs;
-    return out.release();
+    return paced.end() ? out.release() : nullptr;
 }
 
 PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -669,13 +710,15 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     }
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    Paced paced;
+    if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
     if (!without_gil([&] {
             return mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
     scale(result.ptr, counts[rank], route, t.size);
-    return out.release();
+    return paced.end() ? out.release() : nullptr;
 }
 
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -697,6 +740,8 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
     Token token(name, s.allgather);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    Paced paced;
+    if (!paced.begin(s.allgather, group, a.in.nbytes)) return nullptr;
     if (!without_gil([&] { return mpi::allgather(meta, 3, fn.int64, gathered.data(), 3, fn.int64, t.comm); }))
         return nullptr;
     std::vector<int> counts(static_cast<size_t>(t.size)), displs(counts.size());
@@ -738,7 +783,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         }))
         return nullptr;
     ++runs;
-    return out.release();
+    return paced.end() ? out.release() : nullptr;
 }
 
 // splits as row counts: false if it is not a list or tuple of n ints >= 0 summing to rows.
@@ -781,6 +826,8 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    Paced paced;
+    if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
     if (!without_gil([&] { return mpi::alltoall(sent.data(), 1, fn.int64, recv_splits, 1, fn.int64, t.comm); }))
         return nullptr;
     const size_t n = sent.size();
@@ -810,7 +857,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         }))
         return nullptr;
     ++runs;
-    return PyTuple_Pack(2, out.get(), received.get());
+    return paced.end() ? PyTuple_Pack(2, out.get(), received.get()) : nullptr;
 }
 
 // A list of writable, contiguous host tensors of one class and dtype, read as one is.
@@ -897,6 +944,8 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    Paced paced;
+    if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
     // destinations lie back to back (they are then their own, and need no unpack).
     const size_t itemsize = static_cast<size_t>(route.itemsize), total = m.total;
@@ -939,7 +988,7 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
         }))
         return nullptr;
     ++runs;
-    return outs.release();
+    return paced.end() ? outs.release() : nullptr;
 }
 
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }

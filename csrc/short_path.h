@@ -18,7 +18,8 @@ bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 // gather_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
-// short_path_settings(enabled, max_bytes, fusion_threshold): given again whenever the settings change.
+// short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): given again whenever the
+// settings change; enter/leave pace each collective under --link (pycoll.emulation).
 PyObject* configure(PyObject*, PyObject* args);
 // short_path_bind(gate, world_handle, world_size) at init; short_path_bind(None) at shutdown.
 PyObject* bind(PyObject*, PyObject* args);

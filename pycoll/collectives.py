@@ -582,12 +582,18 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     alone_bytes=_ALONE_BYTES, mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
                     int64=MPI._handleof(MPI.INT64_T))
-# Mismatch checks (ranks compare what they submit), link emulation (the modelled time
-# is added after the call) and the timeline and report happen on the general path only.
-config.watch(lambda: _C.short_path_settings(not config.get("check") and not config.get("link")
-                                            and not timeline.configured(),
+# Mismatch checks (ranks compare what they submit) and the timeline and report happen on
+# the general path only. Under --link the short path runs between the emulation's enter
+# and leave, as the general path's collectives do.
+def _short_path_enter(kind: str, group, nbytes: int):
+    return emulation.enter(kind, runtime.resolve(group).comm, nbytes)
+
+
+config.watch(lambda: _C.short_path_settings(not config.get("check") and not timeline.configured(),
                                             config.get("chunk_bytes"),
-                                            config.get("fusion_threshold")))
+                                            config.get("fusion_threshold"),
+                                            *((_short_path_enter, emulation.leave)
+                                              if config.get("link") else ())))
 
 
 # ---------------------------------------------------------------- public API

@@ -244,18 +244,43 @@ def test_async_fused_allreduces_cost_one_model_per_batch(link):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_short_path_steps_aside_under_a_link(link, settings):
+@pytest.mark.parametrize("kind", ["allreduce", "grouped", "broadcast", "allgather",
+                                  "reduce_scatter", "alltoall"])
+def test_the_short_path_runs_under_a_link_and_costs_its_model(link, settings, kind):
+    """Default configuration (no checks): the C short path runs the collective between the
+    emulation's enter and leave, so it costs its model and gives the general path's result."""
     import pycoll
     from pycoll import _C
-    settings(check=False)                                      # the short path skips checks
-    x = np.ones(16, np.float32)
+    settings(check=False)
+    n, r = pycoll.size(), pycoll.rank()
+    x = np.full(4 * n, r + 1.0, np.float32)
+    runs = {"allreduce": (lambda: pycoll.allreduce(x, op=pycoll.Sum), "allreduce", x.nbytes),
+            "grouped": (lambda: pycoll.grouped_allreduce([x, x[:3]], op=pycoll.Sum),
+                        "allreduce", x.nbytes + 12),
+            "broadcast": (lambda: pycoll.broadcast(x, root=n - 1), "broadcast", x.nbytes),
+            "allgather": (lambda: pycoll.allgather(x), "allgather", n * x.nbytes),
+            "reduce_scatter": (lambda: pycoll.reduce_scatter(x, op=pycoll.Sum),
+                               "reduce_scatter", x.nbytes),
+            "alltoall": (lambda: pycoll.alltoall(x)[0], "alltoall", x.nbytes)}
+    run, model, nbytes = runs[kind]
     before = _C.short_path_runs()
-    took, _, y = _timed(lambda: pycoll.allreduce(x, op=pycoll.Sum))
-    assert _C.short_path_runs() == before and np.all(y == pycoll.size())
-    assert took >= _cost("allreduce", pycoll.size(), 64) * 0.99
-    settings(link=None)
-    pycoll.allreduce(x, op=pycoll.Sum)
-    assert _C.short_path_runs() == before + 1
+    took, ends, got = _timed(run)
+    assert _C.short_path_runs() == before + 1, "the short path stepped aside"
+    cost = _cost(model, n, nbytes)
+    assert took >= cost * 0.99, (kind, took, cost)
+    assert took < 3 * cost + 0.25, (kind, took, cost)
+    assert max(ends) - min(ends) < 0.3 * cost + 0.02, (kind, ends)      # they leave together
+    settings(link=None)                     # the same call without a link: the same result
+    unpaced = run()
+    assert _C.short_path_runs() == before + 2
+    for a, b in zip(got if kind == "grouped" else [got], unpaced if kind == "grouped" else [unpaced]):
+        assert np.array_equal(a, b), (kind, a, b)
+    total = n * (n + 1) / 2
+    expected = {"allreduce": np.full(4 * n, total), "broadcast": np.full(4 * n, n),
+                "allgather": np.repeat(np.arange(1.0, n + 1), 4 * n),
+                "reduce_scatter": np.full(4, total), "alltoall": np.repeat(np.arange(1.0, n + 1), 4),
+                "grouped": np.full(4 * n, total)}[kind]
+    assert np.array_equal(got[0] if kind == "grouped" else got, expected), (kind, got)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -393,6 +418,36 @@ def test_probed_messages_are_received_without_the_sweep(comm, monkeypatch):
     comm.Barrier()
     assert pending == [], pending
     assert [int(box[0]) for box in inbox] == [10 * ((r - 1) % n) + i for i in range(3)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_probed_messages_receive_completes_at_its_arrival_in_the_model(comm):
+    """Posted before the modelled arrival, a matched message's Irecv is held until then;
+    posted after it (the parameter server takes a payload piece once it has waited for
+    the header), it completes with the real receive, without the emulation thread."""
+    from mpi4py import MPI
+    r, n = comm.Get_rank(), comm.Get_size()
+    model = LATENCY + 4096 / BANDWIDTH
+    for late in (0.0, 3 * model):
+        box, status = np.empty(1024, np.int32), MPI.Status()
+        start = _together(comm)
+        sent = comm.Isend(np.full(1024, r, np.int32), dest=(r + 1) % n, tag=12)
+        emulation.sleep_until(start + late)
+        message = comm.Improbe((r - 1) % n, 12, status)
+        while message is None:
+            message = comm.Improbe((r - 1) % n, 12, status)
+        posted = time.monotonic()
+        request = message.Irecv(box)
+        while not request.Test():
+            pass
+        done = time.monotonic()
+        assert done - start >= model * 0.99, (late, done - start, model)
+        if late:
+            assert isinstance(request, MPI.Request) and not isinstance(request, MPI.Grequest)
+            assert done - posted < model, (done - posted, model)     # no wait for a turn
+        assert np.all(box == (r - 1) % n), (late, box[:4])
+        sent.Wait()                 # complete once its receiver has taken it: after ours
+    comm.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -220,7 +220,7 @@ def nap(quiet_s: float, shortest: float, longest: float) -> None:
     sleep a fraction of the quiet spell so far, so an answer that ends it is late by
     about 1/8 of the spell at most, and a long-idle rank wakes only 1/longest a second.
     Under --link the nap ends when the emulation releases a paced request."""
-    time.sleep(min(longest, max(shortest, quiet_s / 8)))
+    emulation.nap(min(longest, max(shortest, quiet_s / 8)))
 
 
 def pieces(nbytes: Sequence[int], itemsizes: Sequence[int],

@@ -9,7 +9,7 @@ namespace pycoll::short_path {
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
 // short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
-// gather_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
+// gather_failed, alltoall_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
 // short_path_settings(enabled, max_bytes, fusion_threshold): given again whenever the settings change.
@@ -26,7 +26,7 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // allgather_now(x, out, group, name)
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-// alltoall_now(x, splits, group, name) -> (result, received splits)
+// alltoall_now(x, splits, out, group, name) -> (result, received splits)
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // grouped_allreduce_now(xs, inplace, op, group, name) -> the list of results
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);

@@ -142,6 +142,8 @@ def _every_collective(kind, arg, rank, size):
         lambda: pycoll.allgather(x(2), group=arg, out=x(2 * size, 0)),
         lambda: pycoll.alltoall(x(2 * size), group=arg),
         lambda: pycoll.alltoall(x(sum(splits)), splits=splits, group=arg),
+        lambda: pycoll.alltoall(x(sum(splits)), splits=splits, group=arg,
+                                out=x(size * (rank + 1), 0)),
     ]
 
 
@@ -180,6 +182,8 @@ def test_short_path_allgather_names_what_the_ranks_disagree_on(group, short_runs
         pycoll.allgather(np.zeros((2, 3), dtype), group=arg)
     with pytest.raises(ValueError, match="out= must hold"):
         pycoll.allgather(np.zeros(2), group=arg, out=np.zeros(2 * size + 1))
+    with pytest.raises(ValueError, match="out= must hold the rows each rank receives"):
+        pycoll.alltoall(np.zeros(size), group=arg, out=np.zeros(size + (rank == 0)))
     np.testing.assert_array_equal(pycoll.allgather(np.full(1, rank), group=arg), range(size))
     assert short_runs() == 1        # and the token came back after each error
 

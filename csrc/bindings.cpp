@@ -243,6 +243,9 @@ PYBIND11_MODULE(_C, m) {
          "protocol; its memory is reused by a later block once it dies (large results, tensors.empty_like)."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
          "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
+        {"host_buffer", FAST(short_path::host_buffer), METH_FASTCALL,
+         "host_buffer(x, names, buffer_type) -> tensors.Buffer of a writable, contiguous host tensor read as the "
+         "short path reads one, whose dtype names holds; None for any other x."},
         {"host_pointers", short_path::host_pointers, METH_O,
          "host_pointers(xs) -> (addresses, byte sizes, dtype) of a list of writable contiguous host tensors of one "
          "class and dtype; None for any other (after short_path_setup)."},

@@ -208,6 +208,7 @@ unsigned long long runs = 0;
 struct Names {
     PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
+    PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
 
 // How a dtype goes to MPI, and an op's reduction of it (op None: no reduction).
@@ -518,10 +519,11 @@ bool init(PyObject* module) {
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
-        {&s.grouped_allreduce, "grouped_allreduce"},
+        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
+    if (!(s.zero = PyLong_FromLong(0))) return false;
     if (PyType_Ready(&gate_type) < 0) return false;
     return PyModule_AddObjectRef(module, "Gate", reinterpret_cast<PyObject*>(&gate_type)) == 0;
 }
@@ -909,6 +911,26 @@ PyObject* host_pointers(PyObject*, PyObject* xs) {
         PyList_SET_ITEM(sizes.get(), i, size);
     }
     return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), m.route->name.c_str());
+}
+
+PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 3, "host_buffer(x, names, buffer_type)")) return nullptr;
+    PyObject *x = args[0], *names = args[1], *type = args[2];
+    Host h;
+    if (!fn.ready || !PyType_Check(type)) return left(1);
+    if (int read = read_host(x, true, h)) return left(read);
+    PyObject* name = PyDict_GetItemWithError(names, h.dtype.get());
+    if (!name) return left(PyErr_Occurred() ? -1 : 1);
+    Ref shape(PyObject_GetAttr(x, s.shape));
+    if (shape && !PyTuple_CheckExact(shape.get())) shape.reset(PySequence_Tuple(shape.get()));  // torch.Size
+    Ref ptr(shape ? PyLong_FromVoidPtr(h.ptr) : nullptr), nbytes(ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr);
+    // Buffer(ptr, nbytes, dtype, shape, "cpu", 0, readonly False, owner x, ready None), made as
+    // tuple.__new__(Buffer, fields) makes it, without NamedTuple's Python __new__.
+    Ref fields(nbytes ? PyTuple_Pack(9, ptr.get(), nbytes.get(), name, shape.get(), s.cpu, s.zero, Py_False, x,
+                                     Py_None)
+                      : nullptr);
+    Ref packed(fields ? PyTuple_Pack(1, fields.get()) : nullptr);
+    return packed ? PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type), packed.get(), nullptr) : nullptr;
 }
 
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

@@ -36,6 +36,10 @@ PyObject* row_signature(PyObject*, PyObject* args);
 // contiguous host tensors of one class and dtype, read as the short path reads one; None
 // for any other list.
 PyObject* host_pointers(PyObject*, PyObject* xs);
+// host_buffer(x, names, buffer_type) -> buffer_type(address, nbytes, names[x.dtype], shape, "cpu", 0,
+// False, x, None) for a writable, contiguous host tensor read as the short path reads one (a
+// numpy array or torch tensor) whose dtype `names` holds; None for any other x.
+PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 

@@ -132,13 +132,17 @@ def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
     return _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
 
 
+# _Allreduce((fields)), without NamedTuple's Python __new__: a step's every gradient is one.
+_new_item = functools.partial(tuple.__new__, _Allreduce)
+
+
 def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _Allreduce:
     src = as_buffer(x, writable=inplace)
     check_reduction(op, src.dtype)
     if inplace:
-        return _Allreduce(src, src, x, op, grp, name)
+        return _new_item((src, src, x, op, grp, name))
     out = tensors.empty_like(x, src.shape)
-    return _Allreduce(src, as_buffer(out, writable=True), out, op, grp, name)
+    return _new_item((src, as_buffer(out, writable=True), out, op, grp, name))
 
 
 @emulation.modelled("allreduce", lambda item: (item.grp.comm, item.dst.nbytes))
@@ -637,10 +641,11 @@ def _submit(plan) -> Work:
 def _submit_allreduce(x, op, group, name, inplace) -> Work:
     """Plan an async allreduce and queue it, fusable with those of its key (dtype, device,
     op, communicator). Inline: a step's every gradient takes this path."""
-    item = _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
-    src = item.src
-    return runtime.engine().submit_fusable((src.dtype, src.device, item.op, id(item.grp.comm)),
-                                           src.nbytes, item, _allreduce_queued, item.name)
+    op, grp, name = reduce_op(op), runtime.resolve(group), name or "allreduce"
+    item = _planned_item(x, op, grp, name, inplace)
+    src = item[0]           # item.src: a NamedTuple's field by name costs more
+    return runtime.engine().submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
+                                           _allreduce_queued, name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):

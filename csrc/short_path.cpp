@@ -702,8 +702,11 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     }
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
+    // MPI's own even call where every rank's part is the same (the rule of the general path)
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
     if (!without_gil([&] {
-            return mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
+            return even ? mpi::reduce_scatter_block(a.in.ptr, result.ptr, counts[0], route.datatype, route.op, t.comm)
+                        : mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
@@ -754,7 +757,10 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(Py_NewRef(given));
     }
     const int nbytes = static_cast<int>(a.in.nbytes);
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
     if (!without_gil([&] {
+            if (even)  // MPI's own even call where every rank's part is the same (the general path's rule)
+                return mpi::allgather(a.in.ptr, nbytes, fn.byte, result.ptr, nbytes, fn.byte, t.comm);
             return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte,
                                    t.comm);
         }))
@@ -824,7 +830,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         for (size_t r = 0; r < n; ++r) {
             const int64_t part = gathered[r * (n + 1) + d] * row_bytes;
             agreed &= fits(part);
-            even &= part == gathered[0] * row_bytes;
+            even &= gathered[r * (n + 1) + d] == gathered[0];  // rows, as the general path compares
             rows += gathered[r * (n + 1) + d];
         }
         const int64_t wanted = gathered[d * (n + 1) + n];
@@ -850,7 +856,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(Py_NewRef(given));
     }
     if (!without_gil([&] {
-            if (even)  // MPI's own even exchange (as the general path)
+            if (even)  // MPI's own even call where every part is the same (the general path's rule)
                 return mpi::alltoall(a.in.ptr, scounts[0], fn.byte, result.ptr, rcounts[0], fn.byte, t.comm);
             return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
                                   rdispls.data(), fn.byte, t.comm);

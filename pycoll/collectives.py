@@ -413,9 +413,13 @@ def _plan_allgather(x, group, name, out=None):
             x, (int(gathered[:, 0].sum()),) + row_shape)
         dst = given or as_buffer(result, writable=True)
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            grp.comm.Allgatherv(message(s, src.nbytes),
-                                [MPI.buffer.fromaddress(d, dst.nbytes), counts,
-                                 _displacements(counts), MPI.BYTE])
+            if len(set(counts)) == 1:       # every rank's the same (all see them): MPI's even call
+                grp.comm.Allgather(message(s, src.nbytes),
+                                   [MPI.buffer.fromaddress(d, dst.nbytes), counts[0], MPI.BYTE])
+            else:
+                grp.comm.Allgatherv(message(s, src.nbytes),
+                                    [MPI.buffer.fromaddress(d, dst.nbytes), counts,
+                                     _displacements(counts), MPI.BYTE])
         return result
     return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
@@ -510,9 +514,14 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         counts = [r * row_count for r in rows]
         _check_counts(name, counts, "elements")
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
-                                    message(d, dst.nbytes, dst.dtype), counts,
-                                    mpi_op(op, src.dtype))
+            if len(set(counts)) == 1:       # every rank's the same: MPI's even call
+                grp.comm.Reduce_scatter_block(      # mpi4py's send count: one block's
+                    [MPI.buffer.fromaddress(s, src.nbytes), counts[0], _MPI_TYPES[src.dtype]],
+                    message(d, dst.nbytes, dst.dtype), mpi_op(op, src.dtype))
+            else:
+                grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
+                                        message(d, dst.nbytes, dst.dtype), counts,
+                                        mpi_op(op, src.dtype))
             if op is Average:
                 _scale(dst, d, dst.count, 1.0 / grp.size())
         return out
@@ -554,7 +563,8 @@ def _plan_alltoall(x, splits, group, name, out=None):
         send_counts = [r * row_bytes for r in meta[:n].tolist()]
         recv_counts = [r * row_bytes for r in received]
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            if len(set(send_counts + recv_counts)) == 1:    # MPI's own even exchange
+            if (gathered[:, :n] == gathered[0, 0]).all():     # every part the same, on every rank
+                # MPI's own even call (the short path makes the same choice)
                 grp.comm.Alltoall([MPI.buffer.fromaddress(s, src.nbytes), send_counts[0], MPI.BYTE],
                                   [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts[0], MPI.BYTE])
             else:

@@ -330,7 +330,7 @@ def test_broadcast_bad_root(group):
 
 @pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
-@pytest.mark.parametrize("rows", [0, 1, 7])
+@pytest.mark.parametrize("rows", [0, 1, 7, 12])         # 12: even at 1-4 ranks (MPI's block call)
 def test_reduce_scatter(group, op, dtype, rows):
     arg, rank, size = group
     x = make(rank_input(dtype, (rows, 2), rank), dtype, "numpy")

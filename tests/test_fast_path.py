@@ -138,6 +138,7 @@ def _every_collective(kind, arg, rank, size):
         lambda: pycoll.broadcast_(x(3), root=0, group=arg),
         lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Average, group=arg),
         lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Sum, group=arg, out=x(mine, 0)),
+        lambda: pycoll.reduce_scatter(x(2 * size), op=pycoll.Sum, group=arg),    # even
         lambda: pycoll.allgather(x(rank + 1), group=arg),
         lambda: pycoll.allgather(x(2), group=arg, out=x(2 * size, 0)),
         lambda: pycoll.alltoall(x(2 * size), group=arg),

@@ -585,9 +585,10 @@ def _alltoall_received(name: str, gathered, rank: int, row_bytes: int, row_shape
     rank_rows = [sum(row[d] for row in gathered) for d in range(n)]
     wrong = [d for d, row in enumerate(gathered) if 0 <= row[n] != rank_rows[d] * row_bytes]
     if wrong:
-        raise ValueError(f"{name}: out= must hold the rows each rank receives ({row_shape} "
-                         f"each); rank: (rows received, bytes needed, out='s bytes) = "
-                         f"{ {d: (rank_rows[d], rank_rows[d] * row_bytes, gathered[d][n]) for d in wrong} }")
+        found = {d: (rank_rows[d], rank_rows[d] * row_bytes, gathered[d][n]) for d in wrong}
+        raise ValueError(f"{name}: out= must hold the rows each rank receives (rows of shape "
+                         f"{row_shape}); rank: (rows received, bytes needed, bytes of its out=) "
+                         f"= {found}; pass out= of that size, or none for a new tensor")
     _check_counts(name, [r * row_bytes for row in gathered for r in row[:n]]
                   + [r * row_bytes for r in rank_rows], "bytes")
     return [row[rank] for row in gathered]

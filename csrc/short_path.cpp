@@ -929,6 +929,14 @@ PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!name) return left(PyErr_Occurred() ? -1 : 1);
     Ref shape(PyObject_GetAttr(x, s.shape));
     if (shape && !PyTuple_CheckExact(shape.get())) shape.reset(PySequence_Tuple(shape.get()));  // torch.Size
+    // Ints only: nothing for the cyclic GC to visit (what it would find out itself, a pass later);
+    // a step's every gradient leaves one of these alive until its batch runs.
+    if (shape && PyObject_GC_IsTracked(shape.get())) {
+        bool atoms = true;
+        for (Py_ssize_t i = 0; atoms && i < PyTuple_GET_SIZE(shape.get()); ++i)
+            atoms = PyLong_CheckExact(PyTuple_GET_ITEM(shape.get(), i));
+        if (atoms) PyObject_GC_UnTrack(shape.get());
+    }
     Ref ptr(shape ? PyLong_FromVoidPtr(h.ptr) : nullptr), nbytes(ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr);
     // Buffer(ptr, nbytes, dtype, shape, "cpu", 0, readonly False, owner x, ready None), made as
     // tuple.__new__(Buffer, fields) makes it, without NamedTuple's Python __new__.

@@ -10,14 +10,14 @@
 Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
 out its buffers, how each implementation calls it and what it must produce. The three
 implementations share memory: numpy arrays for mpi4py, torch views of the same arrays
-(torch.from_numpy) for pycoll and gloo. Forms timed (in place, or into a given output,
-where pycoll has one, so that allocation is not measured; alltoall allocates its output):
+(torch.from_numpy) for pycoll and gloo. Forms timed: in place, or into a given output
+(out=), as mpi4py's calls reuse theirs, so that no row measures an allocation:
 
   allreduce       pycoll.allreduce_(t, op=Sum)          Allreduce(IN_PLACE)   dist.all_reduce
   allgather       pycoll.allgather(t, out=r)            Allgather             dist.all_gather_single
   broadcast       pycoll.broadcast_(t, root=0)          Bcast                 dist.broadcast
   reduce_scatter  pycoll.reduce_scatter(t, Sum, out=r)  Reduce_scatter_block  dist.reduce_scatter_single
-  alltoall        pycoll.alltoall(t)                    Alltoall              dist.all_to_all_single
+  alltoall        pycoll.alltoall(t, out=r)             Alltoall              dist.all_to_all_single
 
 Size is nccl-tests' size: the larger per-rank buffer (allgather's output, reduce_scatter's
 and alltoall's input), rounded down to a multiple of ranks x itemsize where the op splits
@@ -119,7 +119,7 @@ COLLS = {
         lambda c, n, r, dt: block(world_sum(c, n, dt), r, n)),
     "alltoall": Coll(
         lambda c, n: (c, c), lambda n: (n - 1) / n,
-        lambda b: pycoll.alltoall(b.tsend)[0],
+        lambda b: pycoll.alltoall(b.tsend, out=b.trecv)[0],
         lambda b: comm.Alltoall(b.send, b.recv),
         lambda b: dist.all_to_all_single(b.trecv, b.tsend),
         lambda c, n, r, dt: np.concatenate([block(pattern(j, c, dt), r, n)

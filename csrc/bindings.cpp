@@ -231,7 +231,7 @@ PYBIND11_MODULE(_C, m) {
         {"allgather_now", FAST(short_path::allgather_now), METH_FASTCALL,
          "allgather_now(x, out, group, name): allgather's short path (as allreduce_now's)."},
         {"alltoall_now", FAST(short_path::alltoall_now), METH_FASTCALL,
-         "alltoall_now(x, splits, group, name) -> (result, received splits): alltoall's short path (as "
+         "alltoall_now(x, splits, out, group, name) -> (result, received splits): alltoall's short path (as "
          "allreduce_now's)."},
         {"grouped_allreduce_now", FAST(short_path::grouped_allreduce_now), METH_FASTCALL,
          "grouped_allreduce_now(xs, inplace, op, group, name): a blocking grouped allreduce of a list of host tensors "
@@ -242,6 +242,9 @@ PYBIND11_MODULE(_C, m) {
          "protocol; its memory is reused by a later block once it dies (large results, tensors.empty_like)."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
          "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
+        {"host_buffer", FAST(short_path::host_buffer), METH_FASTCALL,
+         "host_buffer(x, names, buffer_type) -> tensors.Buffer of a writable, contiguous host tensor read as the "
+         "short path reads one, whose dtype names holds; None for any other x."},
         {"host_pointers", short_path::host_pointers, METH_O,
          "host_pointers(xs) -> (addresses, byte sizes, dtype) of a list of writable contiguous host tensors of one "
          "class and dtype; None for any other (after short_path_setup)."},
@@ -268,7 +271,7 @@ PYBIND11_MODULE(_C, m) {
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
          "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
-         "views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
+         "alltoall_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
          "short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): whether the *_now "

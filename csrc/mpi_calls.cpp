@@ -11,10 +11,12 @@ namespace pycoll::mpi {
 namespace {
 
 // The functions, in the order of kNames.
-enum Fn { kAllreduce, kBcast, kAllgather, kAllgatherv, kAlltoall, kAlltoallv, kReduceScatter, kCommRank,
+enum Fn { kAllreduce, kBcast, kAllgather, kAllgatherv, kAlltoall, kAlltoallv, kReduceScatter, kReduceScatterBlock,
+          kCommRank,
           kIsend, kIrecv, kTest, kTestany, kCancel, kWait, kCount };
 const char* const kNames[kCount] = {"MPI_Allreduce", "MPI_Bcast", "MPI_Allgather", "MPI_Allgatherv",
-                                    "MPI_Alltoall", "MPI_Alltoallv", "MPI_Reduce_scatter", "MPI_Comm_rank",
+                                    "MPI_Alltoall", "MPI_Alltoallv", "MPI_Reduce_scatter",
+                                    "MPI_Reduce_scatter_block", "MPI_Comm_rank",
                                     "MPI_Isend", "MPI_Irecv", "MPI_Test", "MPI_Testany", "MPI_Cancel",
                                     "MPI_Wait"};
 void* fn[kCount] = {};
@@ -108,6 +110,10 @@ int alltoallv(const void* send, const int* scounts, const int* sdispls, intptr_t
 
 int reduce_scatter(const void* send, void* recv, const int* rcounts, intptr_t datatype, intptr_t op, intptr_t comm) {
     return call(kReduceScatter, send, recv, rcounts, Handle{datatype}, Handle{op}, Handle{comm});
+}
+
+int reduce_scatter_block(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm) {
+    return call(kReduceScatterBlock, send, recv, count, Handle{datatype}, Handle{op}, Handle{comm});
 }
 
 int comm_rank(intptr_t comm, int* rank) { return call(kCommRank, Handle{comm}, rank); }

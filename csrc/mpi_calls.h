@@ -29,6 +29,7 @@ int alltoall(const void* send, int scount, intptr_t stype, void* recv, int rcoun
 int alltoallv(const void* send, const int* scounts, const int* sdispls, intptr_t stype, void* recv,
               const int* rcounts, const int* rdispls, intptr_t rtype, intptr_t comm);
 int reduce_scatter(const void* send, void* recv, const int* rcounts, intptr_t datatype, intptr_t op, intptr_t comm);
+int reduce_scatter_block(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm);
 int comm_rank(intptr_t comm, int* rank);
 
 // MPI_Request handles, contiguous in the bound ABI's size (what MPI_Testany reads), each

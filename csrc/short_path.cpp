@@ -179,6 +179,7 @@ struct Functions {
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* gather_failed = nullptr;  // gather_failed(x, out, group, name, meta): raises what is wrong
+    PyObject* alltoall_failed = nullptr;  // alltoall_failed(x, out, group, name, meta): the same for alltoall
     PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
@@ -214,6 +215,7 @@ unsigned long long runs = 0;
 struct Names {
     PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
+    PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
 
 void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPointer(capsule, "pycoll.Route")); }
@@ -460,6 +462,22 @@ bool takes(Py_ssize_t nargs, Py_ssize_t wanted, const char* usage) {
 
 PyObject* left(int read) { return read < 0 ? nullptr : none(); }
 
+// The ranks' flat exchange `meta` as a list, handed to `failed(x, out, group, name, meta)`,
+// the general path's check, which raises what is wrong (every rank sees the same); nullptr.
+PyObject* disagreed(PyObject* failed, const std::vector<int64_t>& meta, PyObject* x, PyObject* given,
+                    PyObject* group, PyObject* name, const char* what) {
+    Ref meta_list(PyList_New(static_cast<Py_ssize_t>(meta.size())));
+    for (size_t i = 0; meta_list && i < meta.size(); ++i) {
+        PyObject* item = PyLong_FromLongLong(meta[i]);
+        if (!item) meta_list.reset(nullptr);
+        else PyList_SET_ITEM(meta_list.get(), static_cast<Py_ssize_t>(i), item);
+    }
+    if (!meta_list) return nullptr;
+    Ref raised(PyObject_CallFunctionObjArgs(failed, x, given, group, name, meta_list.get(), nullptr));
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s: the ranks' tensors disagree", what);
+    return nullptr;
+}
+
 // A tensor that reduce_scatter, allgather and alltoall cut into rows along dim 0, and the
 // group they run on.
 struct Rows {
@@ -516,29 +534,30 @@ bool init(PyObject* module) {
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
-        {&s.grouped_allreduce, "grouped_allreduce"},
+        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
+    if (!(s.zero = PyLong_FromLong(0))) return false;
     if (PyType_Ready(&gate_type) < 0) return false;
     return PyModule_AddObjectRef(module, "Gate", reinterpret_cast<PyObject*>(&gate_type)) == 0;
 }
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
-                                     "new_counts", "gather_failed", "views", "staging", "alone_bytes", "mpi_error",
+                                     "new_counts", "gather_failed", "alltoall_failed", "views", "staging", "alone_bytes", "mpi_error",
                                      "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOnOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOOnOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.views, &f.staging,
+                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.alltoall_failed, &f.views, &f.staging,
                                      &f.alone_bytes, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
     if (!f.kinds || !f.routes) return nullptr;
     for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.new_counts,
-                           f.gather_failed, f.views, f.staging, f.mpi_error})
+                           f.gather_failed, f.alltoall_failed, f.views, f.staging, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
     f.ready = true;
     fn = f;
@@ -712,8 +731,11 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     Paced paced;
     if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
+    // MPI's own even call where every rank's part is the same (the rule of the general path)
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
     if (!without_gil([&] {
-            return mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
+            return even ? mpi::reduce_scatter_block(a.in.ptr, result.ptr, counts[0], route.datatype, route.op, t.comm)
+                        : mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
@@ -756,18 +778,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         total_rows += gathered[3 * r];
     }
     for (size_t r = 0; r < counts.size(); ++r) agreed &= gathered[3 * r + 2] < 0 || gathered[3 * r + 2] == total;
-    if (!agreed) {  // every rank sees it: the general path's check raises on each
-        Ref meta_list(PyList_New(0));
-        for (int64_t v : gathered)
-            if (meta_list) {
-                Ref item(PyLong_FromLongLong(v));
-                if (!item || PyList_Append(meta_list.get(), item.get()) < 0) meta_list.reset(nullptr);
-            }
-        if (!meta_list) return nullptr;
-        Ref raised(PyObject_CallFunctionObjArgs(fn.gather_failed, x, given, group, name, meta_list.get(), nullptr));
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "allgather: the ranks' tensors disagree");
-        return nullptr;
-    }
+    if (!agreed) return disagreed(fn.gather_failed, gathered, x, given, group, name, "allgather");
     Ref out;
     if (given == Py_None) {
         out.reset(new_result(x, total_rows, a.dims.empty() ? std::vector<int64_t>{1} : a.dims, a.route->itemsize,
@@ -777,7 +788,10 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(Py_NewRef(given));
     }
     const int nbytes = static_cast<int>(a.in.nbytes);
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
     if (!without_gil([&] {
+            if (even)  // MPI's own even call where every rank's part is the same (the general path's rule)
+                return mpi::allgather(a.in.ptr, nbytes, fn.byte, result.ptr, nbytes, fn.byte, t.comm);
             return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte,
                                    t.comm);
         }))
@@ -807,16 +821,23 @@ bool parse_splits(PyObject* splits, Py_ssize_t n, int64_t rows, std::vector<int6
 }
 
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!takes(nargs, 4, "alltoall_now(x, splits, group, name)")) return nullptr;
-    PyObject *x = args[0], *splits = args[1], *group = args[2], *name = args[3];
+    if (!takes(nargs, 5, "alltoall_now(x, splits, out, group, name)")) return nullptr;
+    PyObject *x = args[0], *splits = args[1], *given = args[2], *group = args[3], *name = args[4];
     if (!active()) Py_RETURN_NONE;
     Rows a;
     if (int read = read_rows(x, Py_None, group, true, a)) return left(read);
     if (!fits(a.in.nbytes)) Py_RETURN_NONE;  // the general path refuses it
     const Target& t = a.t;
     const int64_t row_bytes = a.row_bytes;
-    std::vector<int64_t> sent;
-    if (!parse_splits(splits, t.size, a.rows, sent)) Py_RETURN_NONE;
+    const size_t n = static_cast<size_t>(t.size);
+    // What the general path exchanges too: this rank's splits, then out='s size (-1: none).
+    std::vector<int64_t> meta;
+    if (!parse_splits(splits, t.size, a.rows, meta)) Py_RETURN_NONE;
+    Host result;
+    if (given != Py_None)
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+    meta.push_back(given == Py_None ? -1 : result.nbytes);
+    const int rank = rank_in(t);
     Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
     Host got;
     if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
@@ -824,22 +845,34 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         return nullptr;
     }
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
+    std::vector<int64_t> gathered(n * (n + 1));
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     Paced paced;
     if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
-    if (!without_gil([&] { return mpi::alltoall(sent.data(), 1, fn.int64, recv_splits, 1, fn.int64, t.comm); }))
+    if (!without_gil([&] {
+            return mpi::allgather(meta.data(), static_cast<int>(n + 1), fn.int64, gathered.data(),
+                                  static_cast<int>(n + 1), fn.int64, t.comm);
+        }))
         return nullptr;
-    const size_t n = sent.size();
     std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
     int64_t sent_total = 0, recv_total = 0, recv_rows = 0;
-    for (size_t r = 0; r < n; ++r) {
-        const int64_t s_bytes = sent[r] * row_bytes, r_bytes = recv_splits[r] * row_bytes;
-        if (!fits(r_bytes) || !fits(recv_total)) {
-            PyErr_Format(PyExc_ValueError, "alltoall: the part received from rank %zu is beyond MPI's limit of "
-                         "2^31-1 bytes; split the tensor and call alltoall on the pieces", r);
-            return nullptr;
+    bool agreed = rank >= 0 && static_cast<size_t>(rank) < n, even = true;
+    for (size_t d = 0; d < n; ++d) {  // every rank's receipt, and its out='s size
+        int64_t rows = 0;
+        for (size_t r = 0; r < n; ++r) {
+            const int64_t part = gathered[r * (n + 1) + d] * row_bytes;
+            agreed &= fits(part);
+            even &= gathered[r * (n + 1) + d] == gathered[0];  // rows, as the general path compares
+            rows += gathered[r * (n + 1) + d];
         }
+        const int64_t wanted = gathered[d * (n + 1) + n];
+        agreed &= fits(rows * row_bytes) && (wanted < 0 || wanted == rows * row_bytes);
+    }
+    if (!agreed) return disagreed(fn.alltoall_failed, gathered, x, given, group, name, "alltoall");
+    for (size_t r = 0; r < n; ++r) {
+        const int64_t s_bytes = meta[r] * row_bytes, r_bytes = gathered[r * (n + 1) + rank] * row_bytes;
+        recv_splits[r] = gathered[r * (n + 1) + rank];
         scounts[r] = static_cast<int>(s_bytes);
         sdispls[r] = static_cast<int>(sent_total);
         rcounts[r] = static_cast<int>(r_bytes);
@@ -848,10 +881,16 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         recv_total += r_bytes;
         recv_rows += recv_splits[r];
     }
-    Host result;
-    Ref out(new_result(x, recv_rows, a.dims, a.route->itemsize, result));
-    if (!out) return nullptr;
+    Ref out;
+    if (given == Py_None) {
+        out.reset(new_result(x, recv_rows, a.dims, a.route->itemsize, result));
+        if (!out) return nullptr;
+    } else {
+        out.reset(Py_NewRef(given));
+    }
     if (!without_gil([&] {
+            if (even)  // MPI's own even call where every part is the same (the general path's rule)
+                return mpi::alltoall(a.in.ptr, scounts[0], fn.byte, result.ptr, rcounts[0], fn.byte, t.comm);
             return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
                                   rdispls.data(), fn.byte, t.comm);
         }))
@@ -911,6 +950,34 @@ PyObject* host_pointers(PyObject*, PyObject* xs) {
         PyList_SET_ITEM(sizes.get(), i, size);
     }
     return Py_BuildValue("(OOs)", ptrs.get(), sizes.get(), m.route->name.c_str());
+}
+
+PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 3, "host_buffer(x, names, buffer_type)")) return nullptr;
+    PyObject *x = args[0], *names = args[1], *type = args[2];
+    Host h;
+    if (!fn.ready || !PyType_Check(type)) return left(1);
+    if (int read = read_host(x, true, h)) return left(read);
+    PyObject* name = PyDict_GetItemWithError(names, h.dtype.get());
+    if (!name) return left(PyErr_Occurred() ? -1 : 1);
+    Ref shape(PyObject_GetAttr(x, s.shape));
+    if (shape && !PyTuple_CheckExact(shape.get())) shape.reset(PySequence_Tuple(shape.get()));  // torch.Size
+    // Ints only: nothing for the cyclic GC to visit (what it would find out itself, a pass later);
+    // a step's every gradient leaves one of these alive until its batch runs.
+    if (shape && PyObject_GC_IsTracked(shape.get())) {
+        bool atoms = true;
+        for (Py_ssize_t i = 0; atoms && i < PyTuple_GET_SIZE(shape.get()); ++i)
+            atoms = PyLong_CheckExact(PyTuple_GET_ITEM(shape.get(), i));
+        if (atoms) PyObject_GC_UnTrack(shape.get());
+    }
+    Ref ptr(shape ? PyLong_FromVoidPtr(h.ptr) : nullptr), nbytes(ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr);
+    // Buffer(ptr, nbytes, dtype, shape, "cpu", 0, readonly False, owner x, ready None), made as
+    // tuple.__new__(Buffer, fields) makes it, without NamedTuple's Python __new__.
+    Ref fields(nbytes ? PyTuple_Pack(9, ptr.get(), nbytes.get(), name, shape.get(), s.cpu, s.zero, Py_False, x,
+                                     Py_None)
+                      : nullptr);
+    Ref packed(fields ? PyTuple_Pack(1, fields.get()) : nullptr);
+    return packed ? PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type), packed.get(), nullptr) : nullptr;
 }
 
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

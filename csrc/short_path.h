@@ -15,7 +15,7 @@ namespace pycoll::short_path {
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
 // short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
-// gather_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
+// gather_failed, alltoall_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
 // short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): given again whenever the
@@ -33,7 +33,7 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // allgather_now(x, out, group, name)
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-// alltoall_now(x, splits, group, name) -> (result, received splits)
+// alltoall_now(x, splits, out, group, name) -> (result, received splits)
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // grouped_allreduce_now(xs, inplace, op, group, name) -> the list of results
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -43,6 +43,10 @@ PyObject* row_signature(PyObject*, PyObject* args);
 // contiguous host tensors of one class and dtype, read as the short path reads one; None
 // for any other list.
 PyObject* host_pointers(PyObject*, PyObject* xs);
+// host_buffer(x, names, buffer_type) -> buffer_type(address, nbytes, names[x.dtype], shape, "cpu", 0,
+// False, x, None) for a writable, contiguous host tensor read as the short path reads one (a
+// numpy array or torch tensor) whose dtype `names` holds; None for any other x.
+PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
 

@@ -132,13 +132,17 @@ def _allreduce_item(x, op, group, name, inplace) -> _Allreduce:
     return _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
 
 
+# _Allreduce((fields)), without NamedTuple's Python __new__: a step's every gradient is one.
+_new_item = functools.partial(tuple.__new__, _Allreduce)
+
+
 def _planned_item(x, op: ReduceOp, grp: runtime.Group, name: str, inplace) -> _Allreduce:
     src = as_buffer(x, writable=inplace)
     check_reduction(op, src.dtype)
     if inplace:
-        return _Allreduce(src, src, x, op, grp, name)
+        return _new_item((src, src, x, op, grp, name))
     out = tensors.empty_like(x, src.shape)
-    return _Allreduce(src, as_buffer(out, writable=True), out, op, grp, name)
+    return _new_item((src, as_buffer(out, writable=True), out, op, grp, name))
 
 
 @emulation.modelled("allreduce", lambda item: (item.grp.comm, item.dst.nbytes))
@@ -410,9 +414,13 @@ def _plan_allgather(x, group, name, out=None):
             x, (int(gathered[:, 0].sum()),) + row_shape)
         dst = given or as_buffer(result, writable=True)
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            grp.comm.Allgatherv(message(s, src.nbytes),
-                                [MPI.buffer.fromaddress(d, dst.nbytes), counts,
-                                 _displacements(counts), MPI.BYTE])
+            if len(set(counts)) == 1:       # every rank's the same (all see them): MPI's even call
+                grp.comm.Allgather(message(s, src.nbytes),
+                                   [MPI.buffer.fromaddress(d, dst.nbytes), counts[0], MPI.BYTE])
+            else:
+                grp.comm.Allgatherv(message(s, src.nbytes),
+                                    [MPI.buffer.fromaddress(d, dst.nbytes), counts,
+                                     _displacements(counts), MPI.BYTE])
         return result
     return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
@@ -507,16 +515,21 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         counts = [r * row_count for r in rows]
         _check_counts(name, counts, "elements")
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
-                                    message(d, dst.nbytes, dst.dtype), counts,
-                                    mpi_op(op, src.dtype))
+            if len(set(counts)) == 1:       # every rank's the same: MPI's even call
+                grp.comm.Reduce_scatter_block(      # mpi4py's send count: one block's
+                    [MPI.buffer.fromaddress(s, src.nbytes), counts[0], _MPI_TYPES[src.dtype]],
+                    message(d, dst.nbytes, dst.dtype), mpi_op(op, src.dtype))
+            else:
+                grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
+                                        message(d, dst.nbytes, dst.dtype), counts,
+                                        mpi_op(op, src.dtype))
             if op is Average:
                 _scale(dst, d, dst.count, 1.0 / grp.size())
         return out
     return name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
 
 
-def _plan_alltoall(x, splits, group, name):
+def _plan_alltoall(x, splits, group, name, out=None):
     grp = runtime.resolve(group)
     src = as_buffer(x)
     if not src.shape:
@@ -531,8 +544,10 @@ def _plan_alltoall(x, splits, group, name):
     if len(sent) != n or min(sent) < 0 or sum(sent) != rows or sent != [int(r) for r in sent]:
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {sent}")
-    sent = [int(r) for r in sent]                   # 2.0 is a row count; MPI wants ints
-    send_splits = np.array(sent, np.int64)
+    given = None if out is None else _output(out, src.dtype, "alltoall")
+    # One int64 Allgather: every rank's splits and out='s size (-1: none), so that each
+    # rank knows what every rank receives and a wrong out= raises on all of them.
+    meta = np.array([int(r) for r in sent] + [-1 if given is None else given.nbytes], np.int64)
     row_shape = tuple(src.shape[1:])
     row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
 
@@ -540,22 +555,54 @@ def _plan_alltoall(x, splits, group, name):
 
     def run():
         grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
-        recv_splits = np.empty(n, np.int64)
-        grp.comm.Alltoall([send_splits, MPI.INT64_T], [recv_splits, MPI.INT64_T])
-        received = recv_splits.tolist()             # Python ints: numpy's cost more here
-        out = tensors.empty_like(x, (sum(received),) + row_shape)
-        dst = as_buffer(out, writable=True)
-        send_counts = [r * row_bytes for r in sent]
+        gathered = np.empty((n, n + 1), np.int64)
+        grp.comm.Allgather([meta, MPI.INT64_T], [gathered, MPI.INT64_T])
+        recv_splits = gathered[:, grp.rank()].copy()
+        received = _alltoall_received(name, gathered.tolist(), grp.rank(), row_bytes, row_shape)
+        result = out if given is not None else tensors.empty_like(x, (sum(received),) + row_shape)
+        dst = given or as_buffer(result, writable=True)
+        send_counts = [r * row_bytes for r in meta[:n].tolist()]
         recv_counts = [r * row_bytes for r in received]
-        _check_counts(name, send_counts + recv_counts, "bytes")
         with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            grp.comm.Alltoallv(
-                [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
-                 _displacements(send_counts), MPI.BYTE],
-                [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
-                 _displacements(recv_counts), MPI.BYTE])
-        return out, recv_splits
+            if (gathered[:, :n] == gathered[0, 0]).all():     # every part the same, on every rank
+                # MPI's own even call (the short path makes the same choice)
+                grp.comm.Alltoall([MPI.buffer.fromaddress(s, src.nbytes), send_counts[0], MPI.BYTE],
+                                  [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts[0], MPI.BYTE])
+            else:
+                grp.comm.Alltoallv(
+                    [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
+                     _displacements(send_counts), MPI.BYTE],
+                    [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
+                     _displacements(recv_counts), MPI.BYTE])
+        return result, recv_splits
     return name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
+
+
+def _alltoall_received(name: str, gathered, rank: int, row_bytes: int, row_shape) -> List[int]:
+    """This rank's received rows from each rank, out of every rank's (splits..., out='s
+    bytes or -1); raises, on every rank (all see the same), where an out= has the wrong
+    size or a part is beyond MPI's counts."""
+    n = len(gathered)
+    rank_rows = [sum(row[d] for row in gathered) for d in range(n)]
+    wrong = [d for d, row in enumerate(gathered) if 0 <= row[n] != rank_rows[d] * row_bytes]
+    if wrong:
+        found = {d: (rank_rows[d], rank_rows[d] * row_bytes, gathered[d][n]) for d in wrong}
+        raise ValueError(f"{name}: out= must hold the rows each rank receives (rows of shape "
+                         f"{row_shape}); rank: (rows received, bytes needed, bytes of its out=) "
+                         f"= {found}; pass out= of that size, or none for a new tensor")
+    _check_counts(name, [r * row_bytes for row in gathered for r in row[:n]]
+                  + [r * row_bytes for r in rank_rows], "bytes")
+    return [row[rank] for row in gathered]
+
+
+def _alltoall_failed(x, out, group, name, meta) -> None:
+    """The short path's alltoall found an out= of the wrong size, or a part beyond MPI's
+    counts, in the ranks' (flat) ``meta``: the general path's error."""
+    grp, src = runtime.resolve(group), as_buffer(x)
+    row_shape = tuple(src.shape[1:])
+    _alltoall_received(name or "alltoall", [meta[i:i + grp.size() + 1] for i in
+                                            range(0, len(meta), grp.size() + 1)],
+                       grp.rank(), math.prod(row_shape) * ITEMSIZE[src.dtype], row_shape)
 
 
 def _plan_barrier(group, name):
@@ -577,7 +624,8 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
                     new_counts=functools.partial(np.empty, dtype=np.int64),
-                    gather_failed=_allgather_failed, views=tensors.views_of,
+                    gather_failed=_allgather_failed,
+                    alltoall_failed=_alltoall_failed, views=tensors.views_of,
                     staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
@@ -611,10 +659,11 @@ def _submit(plan) -> Work:
 def _submit_allreduce(x, op, group, name, inplace) -> Work:
     """Plan an async allreduce and queue it, fusable with those of its key (dtype, device,
     op, communicator). Inline: a step's every gradient takes this path."""
-    item = _planned_item(x, reduce_op(op), runtime.resolve(group), name or "allreduce", inplace)
-    src = item.src
-    return runtime.engine().submit_fusable((src.dtype, src.device, item.op, id(item.grp.comm)),
-                                           src.nbytes, item, _allreduce_queued, item.name)
+    op, grp, name = reduce_op(op), runtime.resolve(group), name or "allreduce"
+    item = _planned_item(x, op, grp, name, inplace)
+    src = item[0]           # item.src: a NamedTuple's field by name costs more
+    return runtime.engine().submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
+                                           _allreduce_queued, name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):
@@ -714,14 +763,16 @@ def reduce_scatter_async(x, op=Average, group=None, name: Optional[str] = None,
     return _submit(_plan_reduce_scatter(x, op, group, name, out))
 
 
-def alltoall(x, splits=None, group=None, name: Optional[str] = None):
-    """Send row block ``splits[r]`` of ``x`` to rank r; returns (tensor, received splits)."""
-    got = _C.alltoall_now(x, splits, group, name)
-    return got if got is not None else _run(_plan_alltoall(x, splits, group, name))
+def alltoall(x, splits=None, group=None, name: Optional[str] = None, out=None):
+    """Send row block ``splits[r]`` of ``x`` to rank r; returns (result, received splits).
+    The result is ``out`` (contiguous, of the received size: every rank checks every
+    rank's, so a wrong one raises on all) if given, else a new tensor."""
+    got = _C.alltoall_now(x, splits, out, group, name)
+    return got if got is not None else _run(_plan_alltoall(x, splits, group, name, out))
 
 
-def alltoall_async(x, splits=None, group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_alltoall(x, splits, group, name))
+def alltoall_async(x, splits=None, group=None, name: Optional[str] = None, out=None) -> Work:
+    return _submit(_plan_alltoall(x, splits, group, name, out))
 
 
 def barrier(group=None, name: Optional[str] = None) -> None:

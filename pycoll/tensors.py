@@ -88,6 +88,9 @@ def _not_contiguous(x) -> ValueError:
 
 
 def _from_numpy(a: np.ndarray) -> Buffer:
+    found = _C.host_buffer(a, _NUMPY_DTYPES, Buffer)     # in one compiled call, as most are
+    if found is not None:
+        return found
     name = _NUMPY_DTYPES.get(a.dtype) or _check_dtype(a.dtype.name, a)
     found = _C.address(a)
     if found is None:                   # not C-contiguous, or a dtype PEP 3118 cannot name
@@ -99,6 +102,9 @@ def _from_numpy(a: np.ndarray) -> Buffer:
 
 def _from_torch(t) -> Buffer:
     """torch's own accessors: the same facts as its DLPack export, several times faster."""
+    found = _C.host_buffer(t, _TORCH_DTYPES, Buffer)     # in one compiled call, as most are
+    if found is not None:
+        return found
     name = _TORCH_DTYPES.get(t.dtype) or _torch_dtype(t)
     if not t.is_contiguous():
         raise _not_contiguous(t)

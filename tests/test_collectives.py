@@ -300,6 +300,14 @@ def test_a_wrong_out_raises(group):
     with pytest.raises(ValueError, match=f"ranks \\[{size - 1}\\]"):
         pycoll.allgather(x, group=arg, out=out)
     np.testing.assert_array_equal(pycoll.allgather(x, group=arg), np.ones((2 * size, 3)))
+    with pytest.raises(TypeError, match="out= is float64"):
+        pycoll.alltoall(np.ones((size, 3), np.float32), group=arg, out=np.empty((size, 3)))
+    wrong = f"out= must hold the rows each rank receives.*[{{ ]{size - 1}: \\("
+    with pytest.raises(ValueError, match=wrong):
+        pycoll.alltoall(np.ones((size, 3), np.float32), group=arg, out=np.empty(
+            (size + (rank == size - 1), 3), np.float32))
+    y, received = pycoll.alltoall(np.ones((size, 3), np.float32), group=arg)
+    assert y.shape == (size, 3) and list(received) == [1] * size
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
@@ -323,7 +331,7 @@ def test_broadcast_bad_root(group):
 
 @pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
-@pytest.mark.parametrize("rows", [0, 1, 7])
+@pytest.mark.parametrize("rows", [0, 1, 7, 12])         # 12: even at 1-4 ranks (MPI's block call)
 def test_reduce_scatter(group, op, dtype, rows):
     arg, rank, size = group
     x = make(rank_input(dtype, (rows, 2), rank), dtype, "numpy")
@@ -351,6 +359,24 @@ def test_alltoall(group, kind, uneven, fake_device):
     y, received = pycoll.alltoall(x, splits=splits(rank) if uneven else None, group=arg)
     assert list(received) == [splits(s)[rank] for s in range(size)]
     assert_matches(y, np.concatenate([block(s, rank) for s in range(size)]), "float32")
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+@pytest.mark.parametrize("uneven", [False, True])
+def test_alltoall_into_out(group, kind, uneven, fake_device):
+    """out= receives the rows in place of a new tensor, as a training loop reuses one."""
+    arg, rank, size = group
+    splits = lambda s: [(s + d) % 3 if uneven else 2 for d in range(size)]   # noqa: E731
+    x = make(np.concatenate([np.full((splits(rank)[d], 2), 10 * rank + d) for d in range(size)]),
+             "float32", kind)
+    out = make(np.full((sum(splits(s)[rank] for s in range(size)), 2), -1.0), "float32", kind)
+    for _ in range(2):
+        y, received = pycoll.alltoall(x, splits=splits(rank), group=arg, out=out)
+        assert y is out and list(received) == [splits(s)[rank] for s in range(size)]
+        assert_matches(out, np.concatenate([np.full((splits(s)[rank], 2), 10 * s + rank)
+                                            for s in range(size)]), "float32")
+    y, _ = pycoll.alltoall_async(x, splits=splits(rank), group=arg, out=out).wait()
+    assert y is out
 
 
 def test_alltoall_bad_splits(group):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pycoll
-from pycoll import _C, collectives, config
+from pycoll import _C, collectives, config, tensors
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -138,10 +138,13 @@ def _every_collective(kind, arg, rank, size):
         lambda: pycoll.broadcast_(x(3), root=0, group=arg),
         lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Average, group=arg),
         lambda: pycoll.reduce_scatter(x(rows), op=pycoll.Sum, group=arg, out=x(mine, 0)),
+        lambda: pycoll.reduce_scatter(x(2 * size), op=pycoll.Sum, group=arg),    # even
         lambda: pycoll.allgather(x(rank + 1), group=arg),
         lambda: pycoll.allgather(x(2), group=arg, out=x(2 * size, 0)),
         lambda: pycoll.alltoall(x(2 * size), group=arg),
         lambda: pycoll.alltoall(x(sum(splits)), splits=splits, group=arg),
+        lambda: pycoll.alltoall(x(sum(splits)), splits=splits, group=arg,
+                                out=x(size * (rank + 1), 0)),
     ]
 
 
@@ -180,6 +183,8 @@ def test_short_path_allgather_names_what_the_ranks_disagree_on(group, short_runs
         pycoll.allgather(np.zeros((2, 3), dtype), group=arg)
     with pytest.raises(ValueError, match="out= must hold"):
         pycoll.allgather(np.zeros(2), group=arg, out=np.zeros(2 * size + 1))
+    with pytest.raises(ValueError, match="out= must hold the rows each rank receives"):
+        pycoll.alltoall(np.zeros(size), group=arg, out=np.zeros(size + (rank == 0)))
     np.testing.assert_array_equal(pycoll.allgather(np.full(1, rank), group=arg), range(size))
     assert short_runs() == 1        # and the token came back after each error
 
@@ -252,3 +257,21 @@ def test_grouped_lists_the_compiled_pass_leaves_to_the_general_path(settings, gr
     with pytest.raises(TypeError, match="Average of int32"):
         pycoll.grouped_allreduce_([np.ones(2, np.int32)], group=arg)
     assert short_runs() == 0
+
+
+def test_the_compiled_tensor_reader_equals_the_python_one(pycoll_world, monkeypatch):
+    """tensors.as_buffer reads contiguous host numpy and torch tensors in one compiled call
+    (_C.host_buffer); with it refused, the Python readers must give the same Buffer."""
+    read_only = np.arange(4.0)
+    read_only.flags.writeable = False
+    xs = [np.arange(12, dtype=np.float32).reshape(3, 4), np.zeros((), np.int64),
+          np.zeros((0, 3), np.uint8), read_only, np.arange(10.0)[3:],
+          torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.zeros((), dtype=torch.bfloat16),
+          torch.nn.Parameter(torch.ones(4)), torch.arange(10.0)[2:], torch.zeros(0, 5)]
+    compiled = [tensors.as_buffer(x) for x in xs]
+    assert _C.host_buffer(xs[5], tensors._TORCH_DTYPES, tensors.Buffer) == compiled[5]  # it ran
+    assert _C.host_buffer(xs[0], tensors._NUMPY_DTYPES, tensors.Buffer) == compiled[0]
+    monkeypatch.setattr(_C, "host_buffer", lambda *args: None)
+    for x, got in zip(xs, compiled):
+        want = tensors.as_buffer(x)
+        assert type(got) is tensors.Buffer and got == want and type(got.shape) is tuple, x

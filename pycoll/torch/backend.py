@@ -327,14 +327,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         splits = list(input_splits) if input_splits else None
         work = pycoll.alltoall_async(input.contiguous(), splits=splits, group=self.group,
-                                     name="torch.all_to_all_single")
+                                     name="torch.all_to_all_single",
+                                     out=output if output.is_contiguous() else None)
 
         def finish(results):
             received, received_splits = results[0]
             if output_splits and list(received_splits) != list(output_splits):
                 raise ValueError(f"all_to_all_single: expected rows {list(output_splits)} from "
                                  f"the ranks, received {list(received_splits)}")
-            output.copy_(received.view(output.shape))
+            if received is not output:
+                output.copy_(received.view(output.shape))
             return [output]
         return self._complete([work], finish, "torch.all_to_all_single")
 

@@ -5,8 +5,8 @@
 
 Runs ``examples/ripples_digits.py --scheme all`` twice under pycollrun (every scheme with
 the same budget, model, data and emulated compute time per step): once with equal
-workers, once with ``--slowdown 3:4`` (for ``--slowed-seconds``: AllReduce then steps at
-the straggler's pace). ``--link`` emulates that network; ``--hidden`` widens the MLP
+workers, once with ``--slowdown 3:4`` (a budget of its own, ``--slowed-seconds``:
+AllReduce then steps at the straggler's pace). ``--link`` emulates that network; ``--hidden`` widens the MLP
 (75 x HIDDEN parameters: 65536 makes an 18.75 MiB model), or ``--model-mb`` picks the
 width for a model of that many MiB. Prints time to the target test accuracy (mean of the
 workers' own models), final accuracy (of the averaged model) and the speed-up of each

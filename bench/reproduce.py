@@ -6,10 +6,12 @@
 Every experiment trains a model on "a cluster" emulated on this machine: slow ranks by
 ``--slowdown``, a network by pycoll's link emulation (``--link``): ``--link`` (default
 50us,1.25GB/s, a 10 Gb/s network) for FluentPS, SaPS and Ripples; R²SP and iPart keep
-their own slower links, whose contention is their papers' point. The PS and
-decentralized experiments train scikit-learn's digits MLP (shipped with scikit-learn, no
-download); iPart a model of many small layers and two large ones, compute emulated, at
-2 to 8 workers (its scaling). Each run (experiment, point, repetition; seeds are the
+their own slower links, whose contention is their papers' point, and so does Ripples at a
+realistic model size (``ripples-cluster``: ``bench/ripples_training.py --cluster``, a
+20 MiB MLP on 1 GbE with 1 s of emulated compute a step). The PS and decentralized
+experiments train scikit-learn's digits MLP (shipped with scikit-learn, no download);
+iPart a model of many small layers and two large ones, compute emulated, at 2 to 8
+workers (its scaling). Each run (experiment, point, repetition; seeds are the
 repetition numbers) is one JSON file under ``--out``: an interrupted run picks up where
 it stopped (``--fresh`` starts over). The report, ``--out/README.md`` with PNG plots
 (accuracy against time; iPart's throughput against workers), gives per point the median
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import ps_stragglers
+import ripples_training
 from jobs import ROOT, run_job
 
 TARGET = 0.90          # test accuracy that "time to accuracy" is measured at
@@ -55,6 +58,7 @@ class Size:
                          # and the sweep's worker counts and repetitions (fewer: long runs)
     link: str = ps_stragglers.LINK     # --link of FluentPS, SaPS and Ripples
     ripples_scenarios: tuple = ("equal workers", "rank 3 slowed 4x")
+    ripples_cluster: dict = field(default_factory=dict)    # overrides of ripples_training.CLUSTER
 
 
 SAPS_ALL = ["bsp", "asp", "ssp:3", "fluentps:3", "saps"]
@@ -64,8 +68,13 @@ _IPART = dict(workers=(2, 4), repeat=1, steps=16, small=24, width=4096,
               modes=("allreduce", "ps"), link="50us,125MB/s")
 SIZES = {"tiny": Size(1, 1, [2], 1.5, 4, 1, 2, False, 2, ["a"], ["saps"],
                       dict(_IPART, workers=(2,), steps=6, small=6, width=1024,
-                           modes=("allreduce",)), ripples_scenarios=("rank 3 slowed 4x",)),
-         "quick": Size(1, 4, [2, 4], 5.0, 6, 6, 4, True, 4, ["a"], SAPS_ALL, _IPART),
+                           modes=("allreduce",)), ripples_scenarios=("rank 3 slowed 4x",),
+                      ripples_cluster=dict(model_mb=0.25, step_time=0.02, seconds=0.8,
+                                           slowed_seconds=0.8, eval_every=2)),
+         # the cluster's ratios on a quarter of the model: 5 MiB, 0.25 s of compute a step
+         "quick": Size(1, 4, [2, 4], 5.0, 6, 6, 4, True, 4, ["a"], SAPS_ALL, _IPART,
+                      ripples_cluster=dict(model_mb=5.0, step_time=0.25, seconds=15.0,
+                                           slowed_seconds=35.0)),
          "full": Size(3, 10, [2, 4, 6], 10.0, 8, 10, 4, True, 4, ["a", "b"], SAPS_ALL,
                       # PS layerwise at 8 workers: seconds a step; 2 repetitions keep
                       # the sweep near 8 minutes
@@ -227,15 +236,20 @@ def _ripples_points(size: Size):
     return {name: _ripples_point(RIPPLES_SCENARIOS[name], size) for name in size.ripples_scenarios}
 
 
+def _speedups(reps, scheme: str, over: str, target: float = TARGET) -> List[float]:
+    """Per repetition: time to ``target`` of ``over`` / that of ``scheme`` (both reached)."""
+    times = [(time_to(r["schemes"][over]["curve"], target),
+              time_to(r["schemes"][scheme]["curve"], target)) for r in reps]
+    return [b / t for b, t in times if b and t]
+
+
 def _ripples_summary(runs):
     rows, measured, sooner = [], [], {}
     for scenario, reps in runs.items():
         base = _median([time_to(r["schemes"]["allreduce"]["curve"]) for r in reps])
         for scheme in reps[0]["schemes"]:
-            times = [time_to(r["schemes"][scheme]["curve"]) for r in reps]
-            ratio = [b / t for b, t in zip([time_to(r["schemes"]["allreduce"]["curve"])
-                                             for r in reps], times) if b and t]
-            rows.append([scenario, scheme, _spread(times),
+            ratio = _speedups(reps, scheme, "allreduce")
+            rows.append([scenario, scheme, _spread([time_to(r["schemes"][scheme]["curve"]) for r in reps]),
                          _spread(ratio, "{:.2f}x") if ratio else "-",
                          _spread([r["schemes"][scheme]["final"] * 100 for r in reps], "{:.1f}")])
         best = min(((time_to(reps[0]["schemes"][s]["curve"]) or float("inf"), s)
@@ -253,6 +267,63 @@ def _ripples_summary(runs):
     table = (["scenario", "scheme", f"time to {TARGET:.0%} (s)", "speed-up vs AllReduce",
               "final accuracy (%)"], rows)
     return table, "; ".join(measured), verdict
+
+
+def _cluster_setting(size: Size) -> dict:
+    return {**ripples_training.CLUSTER, **size.ripples_cluster}
+
+
+def _cluster_point(slow, size: Size) -> Callable[[int], dict]:
+    """bench/ripples_training.py --cluster's schemes in one scenario (size.ripples_cluster
+    overrides its setting), with where each scheme's time went."""
+    def run(seed: int) -> dict:
+        setting = _cluster_setting(size)
+        args = argparse.Namespace(group_size=3, hidden=ripples_training.hidden_for(setting["model_mb"]),
+                                  **setting)
+        out = ripples_training.run(size.ripples_ranks, ["--slowdown", slow] if slow else [], args,
+                                   setting["slowed_seconds" if slow else "seconds"], seed)
+        return {"setting": setting, "schemes": {
+            r["scheme"]: {"curve": r["curve"], "final": r["final_accuracy"], "steps": r["steps"],
+                          "time": ripples_training.where_time_went(r)} for r in out["results"]}}
+    return run
+
+
+def _cluster_points(size: Size):
+    return {name: _cluster_point(RIPPLES_SCENARIOS[name], size) for name in size.ripples_scenarios}
+
+
+def _cluster_summary(runs):
+    """The generator against AllReduce and AD-PSGD at the setting's target, per scenario."""
+    target = next(iter(runs.values()))[0]["setting"]["target"]
+    rows, measured, ahead = [], [], {}
+    for scenario, reps in runs.items():
+        for scheme in reps[0]["schemes"]:
+            spent = [r["schemes"][scheme]["time"] for r in reps]
+            ratios = [_speedups(reps, scheme, base, target) for base in ("allreduce", "adpsgd")]
+            rows.append([scenario, scheme,
+                         _spread([time_to(r["schemes"][scheme]["curve"], target) for r in reps]),
+                         *(_spread(r, "{:.2f}x") if r else "-" for r in ratios),
+                         _spread([r["schemes"][scheme]["final"] * 100 for r in reps], "{:.1f}"),
+                         _spread([t["step"] for t in spent], "{:.2f}"),
+                         _spread([1000 * t["real compute"] for t in spent], "{:.0f}"),
+                         _spread([100 * t["cpu share"] for t in spent], "{:.1f}")])
+        over = {base: _median(_speedups(reps, "ripples-generator", base, target))
+                for base in ("allreduce", "adpsgd")}
+        ahead[scenario] = all(v is not None and v > 1 for v in over.values())
+        measured.append(f"{scenario}: generator " + ", ".join(
+            f"{'not comparable' if v is None else f'{v:.2f}x'} over {name}"
+            for name, v in zip(("AllReduce", "AD-PSGD"), over.values())))
+    verdict = ("direction reproduced: Ripples' generator reaches the target sooner than "
+               "AllReduce and AD-PSGD in every scenario" if all(ahead.values()) else
+               "not reproduced: " + "; ".join(f"{s}: the generator was not ahead of both"
+                                              for s, ok in ahead.items() if not ok))
+    setting = next(iter(runs.values()))[0]["setting"]
+    measured = (f"{setting['model_mb']:g} MiB, link {setting['link']}, "
+                f"{setting['step_time']:g} s compute a step; " + "; ".join(measured))
+    table = (["scenario", "scheme", f"time to {target:.0%} (s)", "speed-up vs AllReduce",
+              "vs AD-PSGD", "final accuracy (%)", "step (s)",
+              "real forward/backward (ms)", "real CPU share (%)"], rows)
+    return table, measured, verdict
 
 
 # ---------------------------------------------------------------- iPart
@@ -427,7 +498,7 @@ def _saps_curves(runs):
 
 # ---------------------------------------------------------------- plots
 
-def _plot_curves(runs, path: Path, curves) -> None:
+def _plot_curves(runs, path: Path, curves, target: float = TARGET) -> None:
     """One panel per point group: accuracy against time of the first repetition."""
     import matplotlib
     matplotlib.use("Agg")
@@ -439,7 +510,7 @@ def _plot_curves(runs, path: Path, curves) -> None:
             if curve:
                 t, acc = zip(*curve)
                 ax.plot(t, [100 * a for a in acc], label=label)
-        ax.axhline(100 * TARGET, color="grey", lw=0.8, ls=":")
+        ax.axhline(100 * target, color="grey", lw=0.8, ls=":")
         ax.set(title=title, xlabel="wall-clock time (s)", ylabel="test accuracy (%)", ylim=(0, 100))
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
@@ -461,6 +532,12 @@ def _ripples_curves(runs):
             for scenario, reps in runs.items()}
 
 
+def _cluster_curves(runs):
+    setting = next(iter(runs.values()))[0]["setting"]
+    return {f"{scenario}, {setting['model_mb']:g} MiB, {setting['link']}": curves
+            for scenario, curves in _ripples_curves(runs).items()}
+
+
 EXPERIMENTS = {e.name: e for e in (
     Experiment("fluentps", "FluentPS (Yao, Wu, Wang; IEEE Cluster 2019)",
                "up to 6x faster than PS-Lite and 93.7% less communication; raw SSP delays up "
@@ -477,6 +554,13 @@ EXPERIMENTS = {e.name: e for e in (
                "straggler 2x faster than All-Reduce",
                _ripples_points, _ripples_summary,
                lambda runs, path: _plot_curves(runs, path, _ripples_curves)),
+    Experiment("ripples-cluster", "Ripples / Prague at a realistic model size",
+               "equal workers 1.1x faster than All-Reduce and ahead of AD-PSGD; with a "
+               "straggler 2x faster than All-Reduce",
+               _cluster_points, _cluster_summary,
+               lambda runs, path: _plot_curves(runs, path, _cluster_curves,
+                                               next(iter(runs.values()))[0]["setting"]["target"]),
+               repeat=lambda size: min(size.repeat, 2)),        # 10 minutes a scenario
     Experiment("ipart", "iPart (TPDS 2021)",
                "on 72 nodes up to 94% better scalability than the default PS and 52% better "
                "than layer-by-layer",
@@ -552,7 +636,8 @@ def report(experiments, results, size_name: str, size: Size, link: str, out: Pat
              f"`bench/reproduce.py --{size_name}`" if size_name != "full" else "`make reproduce`",
              "", f"Machine: {_machine()}. Emulation: compute slowdowns as each experiment says; "
              f"network: --link {link} (FluentPS, SaPS, Ripples), {R2SP_LINK} (R²SP's one "
-             f"server), {size.ipart['link']} (iPart). {size.repeat} repetition(s) per point "
+             f"server), {size.ipart['link']} (iPart), {_cluster_setting(size)['link']} (Ripples "
+             f"at a realistic size). {size.repeat} repetition(s) per point "
              f"(iPart's sweep: {min(size.repeat, size.ipart['repeat'])}; seeds from 0); cells "
              "are median (min-max).", "",
              "| paper | headline | measured here | verdict |", "|---|---|---|---|"]

@@ -5,10 +5,13 @@
 Every worker draws its own batches and runs one emulated compute step of --step-time
 seconds (the real forward/backward, then a sleep, inside ``pycoll.slowdown()`` so a
 slowed rank's step takes FACTOR times longer and ranks may outnumber cores), then
-``sync.step(optimizer)`` communicates as its scheme says. Each worker logs its own
-model's test accuracy against wall-clock time; at the end the models are averaged and
-the average is scored. Schemes: allreduce, adpsgd, ripples-static, ripples-random,
-ripples-generator (group policies of pycoll.decentral).
+``sync.step(optimizer)`` communicates as its scheme says. Every --eval-every steps a
+worker keeps a copy of its model; the copies are scored after the run (scoring a large
+model would take the cores the run is timed on), which gives each worker's test accuracy
+against wall-clock time; at the end the models are averaged and the average is scored.
+Each worker also reports its wall and CPU seconds and its time in compute (real and in
+all) and in ``sync.step``: how much of the run was real CPU. Schemes: allreduce, adpsgd,
+ripples-static, ripples-random, ripples-generator (group policies of pycoll.decentral).
 """
 import argparse
 import json
@@ -17,6 +20,7 @@ import time
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import pycoll
 from digits import accuracy, load, mlp
@@ -71,30 +75,47 @@ def train(scheme: str, args, data) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     sync = make_sync(scheme, model, args.group_size, args.seed)
     batches = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    params = list(model.parameters())
     pycoll.barrier()
     deadline = Deadline(args.seconds, args.steps, scheme in LOCKSTEP, comm)
-    start, step, log = deadline.start, 0, []
+    start, step, copies = deadline.start, 0, []
+    phases = dict.fromkeys(("compute", "real compute", "sync"), 0.0)
+    cpu = time.process_time()                   # every thread's: emulation and services too
     while not deadline.done(step):
+        begin = time.perf_counter()
         with pycoll.slowdown():
-            begin = time.perf_counter()
             mine = torch.randint(len(data.x_train), (args.batch_size,), generator=batches)
             loss_fn(model(data.x_train[mine]), data.y_train[mine]).backward()
-            time.sleep(max(0.0, args.step_time - (time.perf_counter() - begin)))
+            real = time.perf_counter() - begin
+            time.sleep(max(0.0, args.step_time - real))
+        synced = time.perf_counter()
         sync.step(optimizer)
         optimizer.zero_grad()
+        phases["sync"] += time.perf_counter() - synced
+        phases["compute"] += synced - begin
+        phases["real compute"] += real
         step += 1
         if step % args.eval_every == 0:
-            log.append((time.perf_counter() - start, accuracy(model, data)))
+            copies.append((time.perf_counter() - start, parameters_to_vector(params).detach()))
     sync.close()
     seconds = time.perf_counter() - start
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    torch.nn.utils.vector_to_parameters(pycoll.allreduce(flat), model.parameters())
+    phases.update(wall=seconds, cpu=time.process_time() - cpu)
+    own = parameters_to_vector(params).detach()
+    log = [(t, score(model, flat, data)) for t, flat in copies]
+    vector_to_parameters(pycoll.allreduce(own), params)
     final = accuracy(model, data)
-    logs = comm.gather((log, step), root=0)
+    logs = comm.gather((log, step, phases), root=0)
     if rank:
         return {}
     return {"scheme": scheme, "final_accuracy": final, "seconds": seconds,
-            "steps": [s for _, s in logs], "curve": merge([l for l, _ in logs])}
+            "steps": [s for _, s, _ in logs], "curve": merge([l for l, _, _ in logs]),
+            "phases": [p for _, _, p in logs]}
+
+
+def score(model, flat: torch.Tensor, data) -> float:
+    """Test accuracy of ``model`` with the parameters ``flat`` (the model keeps them)."""
+    vector_to_parameters(flat, model.parameters())
+    return accuracy(model, data)
 
 
 def merge(logs, points: int = 200):
@@ -124,7 +145,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units (75 x HIDDEN float32 parameters: 65536 is 18.75 MiB)")
     parser.add_argument("--group-size", type=int, default=3)
-    parser.add_argument("--eval-every", type=int, default=5, help="steps between accuracy logs")
+    parser.add_argument("--eval-every", type=int, default=5,
+                        help="steps between copies of the model, scored after the run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here (rank 0)")
     args = parser.parse_args()

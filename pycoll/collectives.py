@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from . import _C, config, emulation, runtime, tensors, timeline
 from .ops import (Average, Max, Min, Product, ReduceOp, Sum, check_reduction,  # noqa: F401
-                  check_root, reduce_op)
+                  check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
@@ -34,14 +34,14 @@ _half_ops: dict = {}
 def mpi_op(op: ReduceOp, dtype: str):
     if dtype not in ("float16", "bfloat16"):
         return _MPI_OPS[op]
-    kernel_op = "sum" if op is Average else op.value
-    if (dtype, kernel_op) not in _half_ops:
+    reduction = kernel_op(op)
+    if (dtype, reduction) not in _half_ops:
         def reduce_half(invec, inoutvec, datatype):
             inout = MPI.buffer(inoutvec)
             _C.reduce(inout.address, MPI.buffer(invec).address, inout.nbytes // 2, dtype,
-                      kernel_op)
-        _half_ops[dtype, kernel_op] = MPI.Op.Create(reduce_half, commute=True)
-    return _half_ops[dtype, kernel_op]
+                      reduction)
+        _half_ops[dtype, reduction] = MPI.Op.Create(reduce_half, commute=True)
+    return _half_ops[dtype, reduction]
 
 
 _MAX_COUNT = 2**31 - 1            # MPI counts are C ints
@@ -187,7 +187,7 @@ def _short_route(op, x) -> tuple:
     op = reduce_op(op)                  # "sum" is ReduceOp.SUM's key too
     check_reduction(op, dtype)
     return (MPI._handleof(_MPI_TYPES[dtype]), MPI._handleof(mpi_op(op, dtype)), ITEMSIZE[dtype],
-            op is Average, dtype, "sum" if op is Average else op.value)
+            op is Average, dtype, kernel_op(op))
 
 
 class _Many(NamedTuple):

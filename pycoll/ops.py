@@ -29,6 +29,12 @@ def reduce_op(op) -> ReduceOp:
                          "or Product") from None
 
 
+def kernel_op(op: ReduceOp) -> str:
+    """The reduction the compiled kernels (``_C.reduce``) apply for ``op``: Average sums,
+    and the scaling by 1/n comes after."""
+    return "sum" if op is Average else op.value
+
+
 def check_reduction(op: ReduceOp, dtype: str) -> None:
     if op is Average and dtype not in FLOATS:
         raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "

@@ -56,7 +56,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, emulation, runtime, tensors, timeline
-from .collectives import Average, check_reduction, message, mpi_op, reduce_op, staged
+from .collectives import (Average, check_reduction, kernel_op, message, mpi_op, reduce_op,
+                          staged)
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Work, poll
 
@@ -166,7 +167,7 @@ def _reduce(state: _Cache, group: _Group, tags, ptr, count, dtype, op, deadline,
     average = op is Average
     status, peer, error, sends = _C.partial_allreduce(
         *state.handles, group.ranks, tags, group.index, ptr, count, dtype,
-        "sum" if average else op.value, 1.0 / len(group.ranks) if average else 1.0,
+        kernel_op(op), 1.0 / len(group.ranks) if average else 1.0,
         tensors.piece_bytes(tensors.ITEMSIZE[dtype], _settings.chunk_bytes), direct_bytes,
         _settings.doubling_from, max(0.0, deadline - time.monotonic()))
     if status:
@@ -260,7 +261,7 @@ class _Ring:
                 if reduce:
                     src = scratch.ctypes.data + (lo - self.chunks[block][0][0]) * self.item
                     _C.reduce(self.ptr + lo * self.item, src, hi - lo, self.dtype,
-                              "sum" if self.op is Average else self.op.value)
+                              kernel_op(self.op))
                     if s == k - 2 and self.op is Average:     # this block is complete here
                         _C.scale(self.ptr + lo * self.item, hi - lo, self.dtype, 1.0 / k)
                 if s + 1 < len(steps):

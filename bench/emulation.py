@@ -298,11 +298,14 @@ def print_table(args, rows: list, wake_us: tuple) -> None:
               f"{r['real_ms']:9.3f} {serving:>7} {r['model_ms']:9.3f} {r['measured_ms']:9.3f} "
               f"{r['ratio']:8.3f} {r['cluster_ms']:9.3f} {r['cluster_ratio']:8.3f}  {verdict}")
     checked = [r for r in rows if r["checked"]]
-    worst = max(checked, key=lambda r: r["cluster_ratio"], default=None)
+    def worst(column):
+        r = max(checked, key=lambda r: r[column])
+        return f"{r['op']}{' x' + str(r['pushers']) if r['pushers'] else ''} " \
+               f"{human(r['bytes'])} {r[column]:.2f}"
     print(f"# {sum(r['ok'] for r in checked)} of {len(checked)} checked rows within 10% of "
           f"the model by cluster time ({sum(r['ok_wall'] for r in checked)} by wall time)"
-          + (f"; worst {worst['op']} {human(worst['bytes'])} {worst['cluster_ratio']:.2f} "
-             f"(wall {max(r['ratio'] for r in checked):.2f})" if worst else ""))
+          + (f"; worst: cluster {worst('cluster_ratio')}, wall {worst('ratio')}"
+             if checked else ""))
 
 
 def plot(rows: list, path: str, title: str) -> None:

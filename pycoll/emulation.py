@@ -30,6 +30,10 @@ passed, so overlap of communication with compute shows as it would on a network.
 
 Without a link none of this runs: ``p2p`` returns the communicator itself and the
 collectives' hooks read one knob.
+
+``count_core_waits`` and ``core_wait_after`` tell a benchmark how long the ranks waited
+for a core after their modelled deadlines: time this machine's oversubscription adds
+that a cluster, a core per rank, would not (``bench/emulation.py``'s cluster column).
 """
 import atexit
 import collections

@@ -84,12 +84,25 @@ def human(n: int) -> str:
 
 # ---------------------------------------------------------------- the jobs (under MPI)
 
+def _max(comm, *values) -> list:
+    """The largest of each value over the ranks, waited for without spinning: MPI's
+    blocking Allreduce busy-polls, and a rank done early (or taking no part) would take a
+    core from those still at work, which a cluster's ranks, a core each, never do."""
+    import numpy as np
+    from mpi4py import MPI
+    from pycoll.work import wait_requests
+    mine = np.array(values, np.float64)
+    if wait_requests([comm.Iallreduce(MPI.IN_PLACE, mine, op=MPI.MAX)], 600.0):
+        raise SystemExit("bench/emulation.py: a rank did not reach the end of a repetition "
+                         "within 600 s")
+    return mine.tolist()
+
+
 def _together(comm) -> float:
     """Wake every rank of ``comm`` at one instant (the latest clock, plus 2 ms); when this
     one did (on a loaded machine some wake a fraction of a millisecond late)."""
-    from mpi4py import MPI
     from pycoll import emulation
-    emulation.sleep_until(comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.002)
+    emulation.sleep_until(_max(comm, time.monotonic())[0] + 0.002)
     return time.monotonic()
 
 
@@ -99,31 +112,25 @@ def _took(comm, begun: float, part: bool = True) -> tuple:
     wake-up is not counted against the emulation (nor in the time without a link). The
     cluster time ends each rank's part earlier by its threads' waits for a core after
     the modelled end (``emulation.core_wait_after``)."""
-    import numpy as np
-    from mpi4py import MPI
     from pycoll import emulation
     end = time.monotonic()
     waited = emulation.core_wait_after(begun)
-    mine = np.array([begun, end, end - waited] if part else [-np.inf] * 3)
-    comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-    return float(mine[1] - mine[0]), float(mine[2] - mine[0])
+    start, end, cluster = _max(comm, *([begun, end, end - waited] if part else [-math.inf] * 3))
+    return end - start, cluster - start
 
 
 def _wake_up(comm, reps: int = 30) -> tuple:
     """How late (s) the latest rank wakes when every rank sleeps to one deadline: on
     the wall clock, and less each rank's wait for a core (the cluster's)."""
-    import numpy as np
-    from mpi4py import MPI
     from pycoll import emulation
     late, cluster = [], []
     for _ in range(reps):
-        deadline = comm.allreduce(time.monotonic(), op=MPI.MAX) + 0.0003
+        deadline = _max(comm, time.monotonic())[0] + 0.0003
         emulation.sleep_until(deadline)
         mine = time.monotonic() - deadline
-        mine = np.array([mine, mine - emulation.core_wait_after(deadline - 1)])
-        comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        late.append(float(mine[0]))
-        cluster.append(float(mine[1]))
+        mine = _max(comm, mine, mine - emulation.core_wait_after(deadline - 1))
+        late.append(mine[0])
+        cluster.append(mine[1])
     return late, cluster
 
 

@@ -981,8 +981,7 @@ class _Emulator:
                     continue
             wait = wake - now
             if wait <= _PUMP_SPIN_S:
-                time.sleep(0)
-                wait = 0.0
+                wait = max(0.0, wait)    # time.sleep(0) would wake 40 us later
             else:
                 wait = None if wait == math.inf else wait - _PUMP_SPIN_S
             releasing = _core_waits.on and wait and self.due and wake == self.due[0][0]

@@ -125,7 +125,7 @@ def _wake_up(comm, reps: int = 30) -> tuple:
     from pycoll import emulation
     late, cluster = [], []
     for _ in range(reps):
-        deadline = _max(comm, time.monotonic())[0] + 0.0003
+        deadline = _max(comm, time.monotonic())[0] + 0.002      # as _together's
         emulation.sleep_until(deadline)
         mine = time.monotonic() - deadline
         mine = _max(comm, mine, mine - emulation.core_wait_after(deadline - 1))

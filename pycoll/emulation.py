@@ -296,17 +296,22 @@ class _CoreWaits:
                     self.deadline, self.wait = deadline, 0.0
                 if deadline == self.deadline:
                     self.wait += wait
+        if now >= deadline:
+            self.local.last = (deadline, delay)     # waits from here on come after it
         return delay, now
 
     def after(self, since: float) -> float:
         """The core wait after the latest deadline since ``since``, up to now (at most
-        the time since that deadline); forgets it."""
-        now = time.monotonic()
+        the time since that deadline), this thread's since it left its sleep to that
+        deadline included; forgets it."""
+        now, last = time.monotonic(), getattr(self.local, "last", None)
         with self.lock:
             deadline, wait = self.deadline, self.wait
             self.deadline, self.wait = -math.inf, 0.0
         if deadline < since:
             return 0.0
+        if last is not None and last[0] == deadline:
+            wait += max(0.0, _run_delay() - last[1])
         return min(wait, max(0.0, now - deadline))
 
 

@@ -159,6 +159,9 @@ def test_core_waits_count_only_the_wait_after_the_deadline(monkeypatch):
     woke(40.1, 1.0, deadline=40.0, before=0.0)
     clock[0] = 40.05                                   # never more than the time since it
     assert waits.after(39.0) <= 0.05
+    woke(50.0001, 100e-6, deadline=50.0, before=0.0)
+    clock[0], delay[0] = 50.001, 300e-6                # this thread's waits since, too
+    assert waits.after(49.0) == pytest.approx(300e-6)
 
 
 def test_sleep_until_counts_its_core_wait_when_asked(monkeypatch):

@@ -195,12 +195,11 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
 
 # A 300 us time.sleep wakes 80 us late with Linux's default 50 us timer slack, 25 us with
 # 1 ns (medians, 2-core VM at load 24). The last SPIN_S before a deadline is spent
-# yielding the GIL instead: 15 us late (p90 22), for 10 us more CPU than sleeping. A
-# longer spin bought little (100 us: 9 us late, p90 21, 4x the CPU) and made the worst
-# wake-ups worse (p99 7 ms against 3.5 ms: the scheduler holds back a spinning rank).
-# The spin calls sched_yield (0.25 us, GIL released), not time.sleep(0): on Python 3.11
-# that is a real nanosleep, 40 us on this VM, so the "spin" was one more late wake-up
-# (single thread, quiet, 300 us waits: 14 us late, p90 20, against 0.3 us, p90 0.7).
+# spinning on sched_yield (0.25 us a call, GIL released): one thread, quiet, 300 us
+# waits, 0.3 us late (p90 0.7). The spin used to call time.sleep(0), which on Python 3.11
+# is a real nanosleep (40 us here): 14 us late (p90 20). A longer spin made the worst
+# wake-ups worse (100 us, at load 24: p99 7 ms against 3.5 ms: the scheduler holds back
+# a spinning rank); so can a yielding one under other jobs' load (p90 3 ms at load 15).
 SPIN_S = 30e-6
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
@@ -242,9 +241,10 @@ _released = threading.Event()      # set by the emulation thread when it release
 def nap(seconds: float) -> None:
     """A poller's sleep between tests of MPI requests: under a link it ends early when
     the emulation thread releases a held request, so the poller sees its completion at
-    once instead of up to ``seconds`` later (the parameter server naps 1/8 of the quiet
-    spell, up to 1 ms: every paced transfer ran that much over). One napper takes each
-    wake-up; a second one in the process sleeps its full nap, as without a link."""
+    once instead of up to ``seconds`` later (the parameter server naps up to 1 ms: every
+    paced transfer ran that much over). One napper takes each wake-up; a second one in
+    the process sleeps its full nap, as without a link. Either way with the 1 ns timer
+    slack (the default 50 us made every nap that much longer)."""
     _precise_timers()
     if not config.get("link"):
         time.sleep(seconds)
@@ -320,7 +320,7 @@ _core_waits = _CoreWaits()
 
 def _run_delay() -> float:
     """Seconds this thread has spent runnable without a core (Linux's schedstat; 0 where
-    there is none)."""
+    there is none). The file stays open for the thread's life: a pread is 0.6 us."""
     local = _core_waits.local
     fd = getattr(local, "fd", None)
     if fd is None:

@@ -30,6 +30,10 @@ passed, so overlap of communication with compute shows as it would on a network.
 
 Without a link none of this runs: ``p2p`` returns the communicator itself and the
 collectives' hooks read one knob.
+
+``count_core_waits`` and ``core_wait_after`` tell a benchmark how long the ranks waited
+for a core after their modelled deadlines: time this machine's oversubscription adds
+that a cluster, a core per rank, would not (``bench/emulation.py``'s cluster column).
 """
 import atexit
 import collections
@@ -191,9 +195,11 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
 
 # A 300 us time.sleep wakes 80 us late with Linux's default 50 us timer slack, 25 us with
 # 1 ns (medians, 2-core VM at load 24). The last SPIN_S before a deadline is spent
-# yielding the GIL instead: 15 us late (p90 22), for 10 us more CPU than sleeping. A
-# longer spin bought little (100 us: 9 us late, p90 21, 4x the CPU) and made the worst
-# wake-ups worse (p99 7 ms against 3.5 ms: the scheduler holds back a spinning rank).
+# spinning on sched_yield (0.25 us a call, GIL released): one thread, quiet, 300 us
+# waits, 0.3 us late (p90 0.7). The spin used to call time.sleep(0), which on Python 3.11
+# is a real nanosleep (40 us here): 14 us late (p90 20). A longer spin made the worst
+# wake-ups worse (100 us, at load 24: p99 7 ms against 3.5 ms: the scheduler holds back
+# a spinning rank); so can a yielding one under other jobs' load (p90 3 ms at load 15).
 SPIN_S = 30e-6
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
@@ -216,10 +222,17 @@ def sleep_until(deadline: float) -> None:
     if left <= 0:
         return
     _precise_timers()
+    counting = _core_waits.on
+    if counting:
+        before = _run_delay()
     if left > SPIN_S:
         time.sleep(left - SPIN_S)
+    if counting:
+        before, awake = _core_waits.woke(deadline, before)
     while time.monotonic() < deadline:
-        time.sleep(0)                    # yields the GIL and the core
+        os.sched_yield()                 # yields the GIL, and the core to whoever waits
+    if counting:
+        _core_waits.woke(deadline, before, awake)
 
 
 _released = threading.Event()      # set by the emulation thread when it releases requests
@@ -228,13 +241,107 @@ _released = threading.Event()      # set by the emulation thread when it release
 def nap(seconds: float) -> None:
     """A poller's sleep between tests of MPI requests: under a link it ends early when
     the emulation thread releases a held request, so the poller sees its completion at
-    once instead of up to ``seconds`` later (the parameter server naps 1/8 of the quiet
-    spell, up to 1 ms: every paced transfer ran that much over). One napper takes each
-    wake-up; a second one in the process sleeps its full nap, as without a link."""
+    once instead of up to ``seconds`` later (the parameter server naps up to 1 ms: every
+    paced transfer ran that much over). One napper takes each wake-up; a second one in
+    the process sleeps its full nap, as without a link. Either way with the 1 ns timer
+    slack (the default 50 us made every nap that much longer)."""
+    _precise_timers()
     if not config.get("link"):
         time.sleep(seconds)
-    elif _released.wait(seconds):
+        return
+    before = _run_delay() if _core_waits.on else None
+    if _released.wait(seconds):
         _released.clear()
+        if before is not None:      # woken by a release: its wait for a core came after
+            _core_waits.woke(_core_waits.released, before)
+
+
+# ---------------------------------------------------------------- core waits
+
+class _CoreWaits:
+    """How long this process's threads waited for a core after a modelled deadline: the
+    time this machine's oversubscription adds and a cluster, a core per rank, would not
+    (``bench/emulation.py``'s cluster column). Off unless ``count_core_waits`` was called.
+
+    Linux counts, per thread, the time it was runnable without a core (schedstat's
+    run_delay). A thread that sleeps to a deadline is not runnable while asleep; the
+    run delay it gains from just before the sleep until it is back on a core is its wait
+    for one, all of it at its wake-up, so the part after the deadline is
+    min(that, back - deadline). Waits before the deadline are never counted: the sleep
+    absorbs them; of the waits while ``sleep_until`` spins its last SPIN_S, those that
+    could have come before the deadline are left out. The emulation thread's sleep to a
+    due release and a poller's nap ended by that release (``nap``) are counted toward
+    the same deadline, in turn."""
+
+    def __init__(self):
+        self.on = False
+        self.lock = threading.Lock()
+        self.deadline, self.wait = -math.inf, 0.0     # the latest deadline, its waits
+        self.released = -math.inf       # the latest due the emulation thread released
+        self.local = threading.local()
+
+    def woke(self, deadline: float, before: float, awake: Optional[float] = None) -> tuple:
+        """Count the wait after ``deadline`` of this thread, whose run delay was ``before``
+        when it went to sleep (or, given ``awake``, when it was on a core at ``awake``);
+        (run delay, time) now, where a next span starts."""
+        now, delay = time.monotonic(), _run_delay()
+        gained = max(0.0, delay - before)
+        if awake is None:           # asleep, then one wait for a core that ended now
+            wait = min(gained, now - deadline)
+        else:                       # as much as deadline - awake of it may come before
+            wait = min(gained - max(0.0, deadline - awake), now - max(deadline, awake))
+        if wait > 0:
+            with self.lock:
+                if deadline > self.deadline:
+                    self.deadline, self.wait = deadline, 0.0
+                if deadline == self.deadline:
+                    self.wait += wait
+        if now >= deadline:
+            self.local.last = (deadline, delay)     # waits from here on come after it
+        return delay, now
+
+    def after(self, since: float) -> float:
+        """The core wait after the latest deadline since ``since``, up to now (at most
+        the time since that deadline), this thread's since it left its sleep to that
+        deadline included; forgets it."""
+        now, last = time.monotonic(), getattr(self.local, "last", None)
+        with self.lock:
+            deadline, wait = self.deadline, self.wait
+            self.deadline, self.wait = -math.inf, 0.0
+        if deadline < since:
+            return 0.0
+        if last is not None and last[0] == deadline:
+            wait += max(0.0, _run_delay() - last[1])
+        return min(wait, max(0.0, now - deadline))
+
+
+_core_waits = _CoreWaits()
+
+
+def _run_delay() -> float:
+    """Seconds this thread has spent runnable without a core (Linux's schedstat; 0 where
+    there is none). The file stays open for the thread's life: a pread is 0.6 us."""
+    local = _core_waits.local
+    fd = getattr(local, "fd", None)
+    if fd is None:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        local.fd = fd
+    return int(os.pread(fd, 64, 0).split()[1]) * 1e-9 if fd >= 0 else 0.0
+
+
+def count_core_waits() -> None:
+    """From now on, count this process's waits for a core after modelled deadlines
+    (``core_wait_after``); a benchmark's switch, it costs a few microseconds a wait."""
+    _core_waits.on = True
+
+
+def core_wait_after(since: float) -> float:
+    """Seconds this process's threads waited for a core after the latest modelled
+    deadline since ``since`` (time.monotonic()), up to now; 0 without one."""
+    return _core_waits.after(since)
 
 
 # ---------------------------------------------------------------- collectives
@@ -462,9 +569,6 @@ _RECORD = struct.Struct("<Bqiidddd")
 _SENT, _TAKEN = 0, 1
 _RECORDS_PER_READ = 65520 // _RECORD.size
 _POLL_MIN, _POLL_MAX = 20e-6, 1e-3
-# The thread that releases held requests spins less than sleep_until does: it runs once
-# per message, and those who wait on the requests poll with their own delays anyway.
-_PUMP_SPIN_S = 30e-6
 # How often every queue's first receive is tested, records or not: a safety net for a
 # message that came unbooked, never the way a booked message is found (tests set it to inf).
 _FALLBACK_S = 0.01
@@ -877,13 +981,17 @@ class _Emulator:
                 self.tracking = bool(self.receiving or self.pickled)
                 if self.new or self.cancels or self.taken:
                     continue
-            wait = wake - now
-            if wait <= _PUMP_SPIN_S:
-                time.sleep(0)
-                wait = 0.0
-            else:
-                wait = None if wait == math.inf else wait - _PUMP_SPIN_S
+            # The thread that releases held requests does not spin (it runs once per
+            # message, and those who wait on them poll with their own delays anyway):
+            # it sleeps in select to the release (1 ns timer slack). It used to wake
+            # 30 us early and then call time.sleep(0), a 40 us sleep on Python 3.11.
+            wait = None if wake == math.inf else max(0.0, wake - now)
+            releasing = _core_waits.on and wait and self.due and wake == self.due[0][0]
+            if releasing:
+                before = _run_delay()
             ready, _, _ = select.select([self.wake_r, self.records_fd], [], [], wait)
+            if releasing:
+                _core_waits.woke(wake, before)
             if self.wake_r in ready:
                 try:
                     os.read(self.wake_r, 4096)
@@ -967,7 +1075,7 @@ class _Emulator:
             self.late_sends = [e for e in self.late_sends if e.real is not None]
             late |= bool(self.late_sends)
         while self.due and self.due[0][0] <= now:
-            entry = heapq.heappop(self.due)[2]
+            _core_waits.released, _, entry = heapq.heappop(self.due)
             if entry.grequest is not None:
                 entry.grequest.Complete()
                 entry.grequest = None

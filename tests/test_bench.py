@@ -203,7 +203,7 @@ def test_emulation_bench_smoke(tmp_path):
                            "--link", "1ms,100MB/s", "--json", str(out), "--plot", str(png)],
                           capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "meas/model" in proc.stdout and "checked rows within 10%" in proc.stdout
+    assert "clus/mod" in proc.stdout and "checked rows within 10%" in proc.stdout
     data = json.loads(out.read_text())
     assert data["meta"]["link"] == "1ms,100MB/s" and data["meta"]["ranks"] == 2
     seen = {(r["op"], r["pushers"]) for r in data["rows"]}
@@ -212,6 +212,8 @@ def test_emulation_bench_smoke(tmp_path):
                     ("ps pull", 2)}
     for r in data["rows"]:
         assert r["model_ms"] > 0 and r["measured_ms"] > 0 and r["real_ms"] > 0
+        # The cluster time takes only waits after the modelled end off the wall time.
+        assert 0.9 * (r["model_ms"] - r["server_ms"]) <= r["cluster_ms"] <= r["measured_ms"], r
         ps = r["op"].startswith("ps")
         assert (r["server_ms"] > 0) == ps, r          # a PS row's model has the server's S
         # Never faster than the link's part of the model (S can overlap the latency).

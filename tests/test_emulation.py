@@ -124,6 +124,61 @@ def test_nap_ends_when_the_emulation_releases_a_request(settings, monkeypatch):
     assert slept == [0.25]
 
 
+
+def test_core_waits_count_only_the_wait_after_the_deadline(monkeypatch):
+    """The cluster time's correction: of a thread's run delay (runnable, no core) only
+    what came after the modelled deadline is counted, never more than the time since it."""
+    clock, delay = [0.0], [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(emulation, "_run_delay", lambda: delay[0])
+    waits = emulation._CoreWaits()
+
+    def woke(at, run_delay, deadline, before, awake=None):
+        clock[0], delay[0] = at, run_delay
+        return waits.woke(deadline, before, awake)
+
+    woke(9.9, 5e-6, deadline=10.0, before=0.0)         # back before the deadline: nothing
+    assert waits.after(0.0) == 0.0
+    woke(10.00005, 200e-6, deadline=10.0, before=0.0)  # waited 200 us, 50 of them after it
+    assert waits.after(0.0) == pytest.approx(50e-6)
+    woke(10.00005, 10e-6, deadline=10.0, before=0.0)   # waited 10 us, all after it
+    # Awake from 30 us before the deadline (sleep_until's spin): 50 us of waits, of
+    # which up to 30 may have come before it; at most the 40 us since it count.
+    woke(10.00004, 60e-6, deadline=10.0, before=10e-6, awake=9.99997)
+    clock[0] = 10.001
+    assert waits.after(9.0) == pytest.approx(30e-6)
+    assert waits.after(9.0) == 0.0                     # forgotten once read
+    woke(20.0001, 1.0, deadline=20.0, before=0.0)      # an earlier deadline's wait...
+    woke(20.0003, 1.0, deadline=20.0002, before=0.0)   # ...gives way to the latest's
+    woke(20.0004, 1.0, deadline=20.0001, before=0.0)   # and an earlier one stays out
+    clock[0] = 20.0005
+    assert waits.after(15.0) == pytest.approx(100e-6)
+    woke(30.1, 1.0, deadline=30.0, before=0.0)
+    clock[0] = 30.2
+    assert waits.after(31.0) == 0.0                    # before ``since``: another run's
+    woke(40.1, 1.0, deadline=40.0, before=0.0)
+    clock[0] = 40.05                                   # never more than the time since it
+    assert waits.after(39.0) <= 0.05
+    woke(50.0001, 100e-6, deadline=50.0, before=0.0)
+    clock[0], delay[0] = 50.001, 300e-6                # this thread's waits since, too
+    assert waits.after(49.0) == pytest.approx(300e-6)
+
+
+def test_sleep_until_counts_its_core_wait_when_asked(monkeypatch):
+    """Counted only after ``count_core_waits``; then at most how late the sleep ended."""
+    monkeypatch.setattr(emulation._core_waits, "on", False)
+    monkeypatch.setattr(emulation._core_waits, "deadline", -math.inf)
+    start = time.monotonic()
+    emulation.sleep_until(start + 0.001)
+    assert emulation._core_waits.deadline == -math.inf
+    emulation.count_core_waits()
+    assert emulation._core_waits.on
+    for _ in range(20):
+        start = time.monotonic()
+        emulation.sleep_until(start + 0.0005)
+        waited = emulation.core_wait_after(start)
+        assert 0.0 <= waited <= time.monotonic() - (start + 0.0005)
+
 # ---------------------------------------------------------------- slowdown windows
 
 def test_slowdown_windows_parse():

@@ -215,12 +215,12 @@ def meta(status=OK, clock=0, min_clock=0, nbytes=0, laggard=-1, request=0,
     return np.array([status, clock, min_clock, nbytes, laggard, request, version], np.int64)
 
 
-def nap(quiet_s: float, shortest: float, longest: float) -> None:
+def nap(quiet_s: float, shortest: float, longest: float, share: float = 1 / 8) -> None:
     """How both sides wait for MPI without burning a core (a blocking MPI call spins):
-    sleep a fraction of the quiet spell so far, so an answer that ends it is late by
-    about 1/8 of the spell at most, and a long-idle rank wakes only 1/longest a second.
+    sleep ``share`` of the quiet spell so far, so an answer that ends it is late by about
+    that share of the spell at most, and a long-idle rank wakes only 1/longest a second.
     Under --link the nap ends when the emulation releases a paced request."""
-    emulation.nap(min(longest, max(shortest, quiet_s / 8)))
+    emulation.nap(min(longest, max(shortest, quiet_s * share)))
 
 
 def pieces(nbytes: Sequence[int], itemsizes: Sequence[int],

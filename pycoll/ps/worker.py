@@ -60,7 +60,7 @@ class _Part:
                  payload=None, pieces=(), into=None, value: float = 1.0, value2: float = 0.0):
         self.server, self.op, self.table, self.nkeys, self.arg = server, op, table, nkeys, arg
         self.value = value              # the header's float: a push's weight (wire)
-        self.value2 = value2            # the second: a turn's computing seconds
+        self.value2 = value2            # the second: a turn's computing seconds, a pull's priority
         self.payload = payload          # uint8 array sent after the header, or None
         self.pieces = pieces            # (first, end) bytes of each payload message
         self.nbytes = 0 if payload is None else payload.nbytes
@@ -161,9 +161,11 @@ class Client:
                 [wire.Entry(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items])
         return table
 
-    def parts(self, op: int, keys: List[Key], sources=None, outs=None, weight: float = 1.0):
+    def parts(self, op: int, keys: List[Key], sources=None, outs=None, weight: float = 1.0,
+              priority: float = 0.0):
         """Parts that send ``sources`` (push, init, with ``weight``) and/or receive into
-        ``outs`` (pull), and the unpacking to run once they are done."""
+        ``outs`` (pull, answered by ``priority``), and the unpacking to run once they are
+        done."""
         parts, unpacks = [], []
         send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
         recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
@@ -189,7 +191,8 @@ class Client:
                     unpacks.append((into, spans))
             version = self.versions[server] if op in (wire.PUSH, wire.PUSH_PULL) else 0
             parts.append(_Part(server, op, self._table(server, items), len(items), arg=version,
-                               payload=payload, pieces=pieces or (), into=into, value=weight))
+                               payload=payload, pieces=pieces or (), into=into, value=weight,
+                               value2=priority if recv is not None else 0.0))
 
         def unpack():
             for staging, spans in unpacks:

@@ -98,6 +98,18 @@ def _spans(where, items):
     return [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize) for k, r in items]
 
 
+def _joined(spans):
+    """``spans`` with neighbours in memory made one: one span is used in place, no copy
+    (e.g. keys that are consecutive views of one buffer)."""
+    out = []
+    for ptr, n in spans:
+        if out and out[-1][0] + out[-1][1] == ptr:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((ptr, n))
+    return out
+
+
 class Client:
     """One worker's connection to the servers (``comm`` ranks ``server_ranks``)."""
 
@@ -175,15 +187,16 @@ class Client:
             payload = pieces = into = None
             if send is not None:
                 spans = _spans(send, items)
-                if len(spans) == 1:
-                    payload = np.frombuffer(MPI.buffer.fromaddress(*spans[0]), np.uint8)
+                joined = _joined(spans)
+                if len(joined) == 1:
+                    payload = np.frombuffer(MPI.buffer.fromaddress(*joined[0]), np.uint8)
                 else:
-                    payload = np.empty(sum(n for _, n in spans), np.uint8)
-                    _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
+                    payload = np.empty(sum(n for _, n in joined), np.uint8)
+                    _C.pack(payload.ctypes.data, [p for p, _ in joined], [n for _, n in joined])
                 pieces = wire.bounds(wire.pieces([n for _, n in spans],
                                                  [k.itemsize for k, _ in items]))
             if recv is not None:
-                spans = _spans(recv, items)
+                spans = _joined(_spans(recv, items))
                 if len(spans) == 1:
                     into = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
                 else:

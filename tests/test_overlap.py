@@ -183,6 +183,13 @@ def test_the_server_sends_waiting_answers_most_urgent_first():
     assert sent[-2:] == [6, 7] and not server.queued
 
 
+def test_a_pulls_priority_must_be_a_finite_number():
+    import pycoll.ps as ps
+    for bad in (float("nan"), float("inf"), "first"):
+        with pytest.raises(ValueError, match="priority must be a finite number"):
+            ps.pull("w", priority=bad)
+
+
 def test_a_replan_keeps_the_running_plan_unless_the_new_one_is_clearly_faster():
     profile = _profile(50e-6, 125e6)
     best = planner.choose(TENSORS, ORDER, profile, 64 << 10)

@@ -280,12 +280,13 @@ def _outs(keys, outs, found):
 
 def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0, turn=None,
              priority: float = 0.0):
+    if not isinstance(priority, (int, float)) or not -math.inf < priority < math.inf:
+        raise ValueError(f"pycoll.ps: a pull's priority must be a finite number (smaller "
+                         f"is answered first), got {priority!r}")
     client = _client()
     found = client.lookup(names)
     sources = None if values is None else client.buffers(found, values, writable=False)
     outs = _outs(keys, outs, found)
-    if not -math.inf < float(priority) < math.inf:
-        raise ValueError(f"pycoll.ps: a pull's priority must be a finite number, got {priority!r}")
     parts, unpack = client.parts(op, found, sources, client.buffers(found, outs, writable=True),
                                  _weight(weight), float(priority))
     client.counters["pulls"] += 1

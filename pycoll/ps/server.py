@@ -122,7 +122,7 @@ class Server:
         self.sending: List[_Sending] = []                    # replies still in flight
         self.queued: List[_Queued] = []                      # answers waiting for credit
         self.credit = config.get("ps_reply_credit")
-        self.answered = itertools.count()
+        self.answer_order = itertools.count()                # ties in priority: FIFO
         self.abandoned: list = []                            # receives that never completed
         self.quiet_since = self.last_housekeeping = time.monotonic()
         self.generation = 0          # the newest generation number in use in checkpoint_dir
@@ -602,8 +602,8 @@ class Server:
             for s in shards:
                 data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
                 offset += s.params.nbytes
-        pull.call.answered = True
-        heapq.heappush(self.queued, _Queued(pull.call.req.value2, next(self.answered),
+        pull.call.answered = True          # queued counts: an error now is logged, not sent
+        heapq.heappush(self.queued, _Queued(pull.call.req.value2, next(self.answer_order),
                                             pull.call, data, lent))
         self._send_queued()
 

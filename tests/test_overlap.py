@@ -183,6 +183,19 @@ def test_the_server_sends_waiting_answers_most_urgent_first():
     assert sent[-2:] == [6, 7] and not server.queued
 
 
+def test_a_profiled_plan_that_measured_faster_than_the_best_model_is_kept():
+    profile = _profile(50e-6, 125e6)
+    best = planner.choose(TENSORS, ORDER, profile, 64 << 10)
+    items = planner.pieces(TENSORS, ORDER, 64 << 10)
+    one = planner.Plan([tuple(items)], ORDER)
+    slow = planner.choose(TENSORS, ORDER, profile, 64 << 10, measured=[(one, 2 * best.predicted_s)])
+    assert slow.parts == best.parts and slow.predicted_s == best.predicted_s
+    fast = planner.choose(TENSORS, ORDER, profile, 64 << 10, version=3,
+                          measured=[(one, best.predicted_s / 2)])
+    assert fast.parts == one.parts and fast.predicted_s == best.predicted_s / 2
+    assert fast.version == 3
+
+
 def test_a_pulls_priority_must_be_a_finite_number():
     import pycoll.ps as ps
     for bad in (float("nan"), float("inf"), "first"):

@@ -54,6 +54,10 @@ partition with the lowest index (the earliest ready if none is); partitions read
 then overtake the backlog, and the next forward overlaps what is left. Each plan is
 scored in both orders, K..1 and by priority, and keeps the better.
 
+Measured plans: the plans profiled (one partition, layerwise) ran, so their measured
+step times compete with the best modelled T, and one of them is kept if it measured
+faster: a model fitted on a busy host can be wrong, a measurement less so.
+
 Damping: a re-plan keeps the running partitions and order unless the new plan's
 modelled T is at least ``KEEP`` (relative) below theirs under the same new profile, so
 that noise in the profile does not change the plan from one re-plan to the next.
@@ -331,10 +335,12 @@ class Plan:
 
 
 def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, grain: int,
-           version: int = 0, current: Optional[Plan] = None) -> Plan:
+           version: int = 0, current: Optional[Plan] = None,
+           measured: Sequence[Tuple[Plan, float]] = ()) -> Plan:
     """The best of the greedy plans (and layerwise, one partition, and the best greedy
-    plan refined), each in both issue orders, by modelled T; ``current`` (the running
-    plan) unless the best models ``KEEP`` faster than it."""
+    plan refined), each in both issue orders, by modelled T, or of the ``measured``
+    plans (plan, its measured step time) if one measured faster; ``current`` (the
+    running plan) unless the best is ``KEEP`` faster than it."""
     items = pieces(tensors, order, grain)
     if not items:
         raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")
@@ -347,8 +353,12 @@ def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, gr
         for issue in (reverse(parts), by_priority(parts, tensors, order, profile)):
             scored.append((simulate(parts, tensors, order, profile, issue), len(parts), i, issue))
     best, _, index, issue = min(scored)
+    chosen = Plan(candidates[index], list(order), best, version, issue)
+    for ran, step in measured:
+        if step < chosen.predicted_s:
+            chosen = Plan(ran.parts, list(order), step, version, ran.issue)
     if current is not None and current.order == list(order):
         kept = simulate(current.parts, tensors, order, profile, current.issue)
-        if best > (1 - KEEP) * kept:
+        if chosen.predicted_s > (1 - KEEP) * kept:
             return Plan(current.parts, list(order), kept, version, current.issue)
-    return Plan(candidates[index], list(order), best, version, issue)
+    return chosen

@@ -12,14 +12,21 @@ early in backward and needed late in forward, the overlap those papers exploit.
 ``--layout middle`` puts them mid-way, where neither backward nor forward has much
 compute left to hide their transfer behind.
 
-A layer's compute is scaled so that a step's compute equals its communication by the
-link model, where overlap pays most: the issue's question is whether a schedule hides
-communication, and only where the two are equal does hiding all of it halve the step
-(allreduce) or more (the PS); with either much larger, every schedule is near the bound.
-It is never under ``MIN_MS`` per small layer (below that the hooks' own CPU time on a
-busy machine is not small beside it; ``--ms`` fixes it), so at 10 Gb/s compute is the
-larger. Larger models would balance the 10 Gb/s link instead, but their real copies cost
-CPU time the link model does not see (4+ ranks on 2 cores).
+Each point's model is sized so that a step's compute (nominal: the sleeps) equals its
+communication by the link model, where overlap pays most: the issue's question is
+whether a schedule hides communication, and only where the two are equal does hiding
+all of it halve the step (allreduce) or more (the PS); with either much larger, every
+schedule is near the bound. With ``--width`` (the large layers', 4096 by default) the
+small layer's forward is set to balance the link; where that would be under ``MIN_MS``
+(below it the hooks' own CPU time on a busy machine is not small beside it), it stays at
+``MIN_MS`` and the large layers are widened instead until their bytes balance that
+compute. With the defaults, 1 Gb/s keeps width 4096 (2.41 MiB; 0.30 ms per small layer
+for allreduce, 0.79 ms for the PS) and 10 Gb/s widens it (0.25 ms per small layer, 25.5
+ms of compute a step: 20.0 MiB for allreduce, whose ring moves 1.5x the bytes through
+each link, 7.6 MiB for the PS, whose server link carries every worker's bytes each way).
+``--fixed-width`` keeps ``--width`` at every point (compute then outweighs the 10 Gb/s
+link: the runs before 2026-11-24's fourth pass). ``--ms`` fixes a small layer's forward
+(and the width).
 
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
@@ -52,15 +59,26 @@ def model_bytes(small: int, width: int) -> int:
     return 4 * ((small + 1) * (64 * 64 + 64) + 2 * 64 * width + width + 64 + 64 * 8 + 8)
 
 
-def small_layer_ms(mode, link, args) -> float:
-    """A small layer's forward (ms): a step's compute (3 forwards' worth: one forward, a
-    backward of two) equals its communication by the link model, at least ``MIN_MS``;
-    or ``--ms``."""
+def sizing(mode, link, args):
+    """(a small layer's forward in ms, the large layers' width) of a point: a step's
+    compute (3 forwards' worth: one forward, a backward of two) equals its communication
+    by the link model (see the docstring); or ``--ms`` and ``--width``."""
     if args.ms:
-        return args.ms
+        return args.ms, args.width
     forwards = args.small + 2 + 2 * 4          # small layers count 1, large ones 4
-    comm = communication(mode, link, model_bytes(args.small, args.width), args)
-    return max(MIN_MS, 1e3 * comm / (3 * forwards))
+    compute = 3 * forwards * MIN_MS / 1e3      # at the floor
+
+    def comm(width):
+        return communication(mode, link, model_bytes(args.small, width), args)
+    if getattr(args, "fixed_width", False) or comm(args.width) >= compute:
+        return max(MIN_MS, 1e3 * comm(args.width) / (3 * forwards)), args.width
+    low, high = args.width, 2 * args.width     # comm grows with the width: bisect
+    while comm(high) < compute:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if comm(middle) < compute else (low, middle)
+    return MIN_MS, high
 
 
 def run(mode, link, args) -> dict:
@@ -68,13 +86,13 @@ def run(mode, link, args) -> dict:
     ps = mode == "ps"
     flags = ["--link", link] + (["--servers", str(args.servers)] if ps else [])
     ranks = args.workers + (args.servers if ps else 0)
+    ms, width = sizing(mode, link, args)
     out = run_job(ranks, "overlap_train.py",
                   ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
-                   "--width", args.width, "--ms", f"{small_layer_ms(mode, link, args):.4f}",
-                   "--layout", args.layout]
+                   "--width", width, "--ms", f"{ms:.4f}", "--layout", args.layout]
                   + (["--ps"] if ps else []), flags=flags)
     rows = {row["schedule"]: row for row in out["rows"]}
-    if rows["default"]["bytes"] != model_bytes(args.small, args.width):
+    if rows["default"]["bytes"] != model_bytes(args.small, width):
         raise RuntimeError("bench/overlap.py: model_bytes() no longer matches "
                            "examples/overlap_train.py's model; update it")
     return rows
@@ -122,7 +140,10 @@ def main():
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
     parser.add_argument("--small", type=int, default=24)
-    parser.add_argument("--width", type=int, default=4096, help="the large layers'")
+    parser.add_argument("--width", type=int, default=4096,
+                        help="the large layers' (widened where the link is fast: see above)")
+    parser.add_argument("--fixed-width", action="store_true",
+                        help="keep --width at every link (compute then outweighs fast links)")
     parser.add_argument("--layout", choices=("end", "middle"), default="end",
                         help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
@@ -140,7 +161,8 @@ def main():
           f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link)")
     for (mode, link), by in results.items():
         r = next(r for r in rows if (r["mode"], r["link"]) == (mode, link))
-        print(f"  {mode} {link}: {small_layer_ms(mode, link, args):.3f} ms per small layer, "
+        print(f"  {mode} {link}: {sizing(mode, link, args)[0]:.3f} ms per small layer, "
+              f"width {sizing(mode, link, args)[1]}, "
               f"{by['default']['bytes'] / 2**20:.2f} MiB of parameters, "
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
               f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")

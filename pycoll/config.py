@@ -169,6 +169,12 @@ KNOBS = {k.name: k for k in (
          "entry gives that rank its own link)"),
     Knob("servers", 1, _number(int, 1, "a whole number of server ranks >= 1"),
          "pycoll.ps: how many ranks (the last ones) serve parameters; the others are workers"),
+    # 256 KiB: 2 ms of a 1 Gb/s link, the longest an urgent answer waits behind others
+    # posted before it (plus the one being sent); much less and the link would idle
+    # while the server wakes up between answers.
+    Knob("ps_reply_credit", 256 * 2**10, _number(int, 0, "a whole number of bytes >= 0"),
+         "pycoll.ps: bytes of pull answers a server keeps in flight; the others wait and go "
+         "most urgent first (the requests' priority); 0: each goes when answered"),
     Knob("timeline", None, lambda text: str(text) or None,
          "PATH: write a Chrome trace (Perfetto, chrome://tracing) of every operation on "
          "every rank to PATH at exit"),

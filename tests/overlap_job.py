@@ -1,9 +1,10 @@
 """The parameter-server job test_overlap.py launches: python overlap_job.py.
 
-Trains one model under BSP with each schedule (servers serve three jobs in a row) and
-checks: every schedule ends with bit-identical parameters, every layer's forward read
-the same values under each (so none read rows before they arrived, which the layers
-also assert), and iPart's plans are the same on every worker and cover every byte once.
+Trains one model under BSP with each schedule (servers serve three jobs in a row, sending
+their answers one at a time, the others by priority) and checks: every schedule ends
+with bit-identical parameters, every layer's forward read the same values under each
+(so none read rows before they arrived, which the layers also assert), and iPart's
+plans are the same on every worker and cover every byte once.
 """
 import torch
 from mpi4py import MPI
@@ -65,8 +66,9 @@ def train(schedule):
 
 
 def main():
+    # A credit of one byte: the servers send one answer at a time, the others by priority.
     pycoll.configure(ipart_grain=16 << 10, ipart_profile_steps=1, ipart_replan_every=1,
-                     ipart_drift=1e-9)
+                     ipart_drift=1e-9, ps_reply_credit=1)
     servers = pycoll.config.get("servers")
     if MPI.COMM_WORLD.rank >= MPI.COMM_WORLD.size - servers:
         for _ in SCHEDULES:

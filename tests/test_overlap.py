@@ -124,6 +124,85 @@ def test_priority_order_lets_what_the_next_forward_needs_overtake_the_backlog():
         planner.Plan(parts, [0, 1, 2, 3], issue=[3, 0, 1, 1])
 
 
+def test_the_parameter_servers_pulls_go_most_urgent_first():
+    """The PS's second stage (the server's answers) takes, whenever it frees, the
+    partition with the lowest index among those pushed: 0 overtakes 1, which came first."""
+    assert planner.urgent_first([1.5, 1.2, 1.0], [1.0] * 3) == [(2, 2.0), (0, 3.0), (1, 4.0)]
+    # All ready at once, issued 2, 1, 0: pushes end at 4, 5 and 6; pulls: 2 at 4-8 (alone),
+    # then 0 (pushed after 1, but needed first) at 8-9, then 1 at 9-10 (FIFO: 1 at 8-9 and
+    # 0 at 9-10); forwards of 1 s each: 9-10, 10-11, 11-12 (FIFO: 10-11, 11-12, 12-13).
+    three = [Tensor(1, 1000, 0), Tensor(1, 1000, 1), Tensor(1, 4000, 2)]
+    parts = [(Piece(0, 0, 1),), (Piece(1, 0, 1),), (Piece(2, 0, 1),)]
+    profile = Profile([1.0] * 3, [0.0] * 3, 0.0, 1000.0, stages=2)
+    assert planner.simulate(parts, three, [0, 1, 2], profile) == pytest.approx(12.0)
+
+
+def test_the_server_sends_waiting_answers_most_urgent_first():
+    """Within the credit answers go at once; past it they wait and go by priority
+    (smaller first, then in the order answered) as the credit frees."""
+    from mpi4py import MPI
+
+    from pycoll.ps import server as srv, wire
+    from pycoll.ps.optim import Shard
+    from pycoll.ps.policy import make
+
+    sent = []
+
+    class Comm:
+        def Get_attr(self, _):
+            return 1 << 20
+
+        def Isend(self, buf, dest, tag):
+            if tag % wire.TAGS_PER_SLOT == wire.tags(0)[1] % wire.TAGS_PER_SLOT:    # data
+                sent.append(dest)
+            return None
+
+    with config.overriding(ps_reply_credit=100):
+        server = srv.Server(Comm(), MPI.COMM_SELF, 0, 8, make("bsp"), None, None, 10.0)
+    shard = Shard("float32", 20, 0, 20)                  # 80 bytes an answer
+
+    def answer(worker, priority):
+        req = wire.Request(wire.PULL, 0, 1, 0, 0.0, (), b"", 0, 0, 1.0, 0.0, priority)
+        server._answer(srv._Pull(srv._Call(worker, req), [shard], 0, 0.0, 0.0))
+
+    answer(0, 5.0)
+    answer(1, 3.0)                         # 80 bytes in flight, under the credit: sent
+    for worker, priority in ((2, 9.0), (3, 1.0), (4, 1.0), (5, 0.0)):
+        answer(worker, priority)           # 160 in flight: they wait
+    assert sent == [0, 1]
+    server.sending = []                    # the two complete
+    server._send_queued()
+    assert sent == [0, 1, 5, 3]            # 5 (0.0), then the first of the two at 1.0
+    server.sending = []
+    server._send_queued()
+    assert sent == [0, 1, 5, 3, 4, 2]
+    with config.overriding(ps_reply_credit=0):           # 0: every answer at once
+        server = srv.Server(Comm(), MPI.COMM_SELF, 0, 8, make("bsp"), None, None, 10.0)
+    for worker, priority in ((6, 2.0), (7, 1.0)):
+        answer(worker, priority)
+    assert sent[-2:] == [6, 7] and not server.queued
+
+
+def test_a_profiled_plan_that_measured_faster_than_the_best_model_is_kept():
+    profile = _profile(50e-6, 125e6)
+    best = planner.choose(TENSORS, ORDER, profile, 64 << 10)
+    items = planner.pieces(TENSORS, ORDER, 64 << 10)
+    one = planner.Plan([tuple(items)], ORDER)
+    slow = planner.choose(TENSORS, ORDER, profile, 64 << 10, measured=[(one, 2 * best.predicted_s)])
+    assert slow.parts == best.parts and slow.predicted_s == best.predicted_s
+    fast = planner.choose(TENSORS, ORDER, profile, 64 << 10, version=3,
+                          measured=[(one, best.predicted_s / 2)])
+    assert fast.parts == one.parts and fast.predicted_s == best.predicted_s / 2
+    assert fast.version == 3
+
+
+def test_a_pulls_priority_must_be_a_finite_number():
+    import pycoll.ps as ps
+    for bad in (float("nan"), float("inf"), "first"):
+        with pytest.raises(ValueError, match="priority must be a finite number"):
+            ps.pull("w", priority=bad)
+
+
 def test_a_replan_keeps_the_running_plan_unless_the_new_one_is_clearly_faster():
     profile = _profile(50e-6, 125e6)
     best = planner.choose(TENSORS, ORDER, profile, 64 << 10)

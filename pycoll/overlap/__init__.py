@@ -10,7 +10,9 @@ schedule=...)``):
 - ``"ipart"``: iPart (TPDS 2021): partitions of rows, small layers merged and large
   tensors split, sized by a greedy planner from profiled compute and the link's cost
   and issued in an order that lets what the next forward needs first overtake the
-  backlog (``plan``), run as layerwise runs layers (``schedule``).
+  backlog (``plan``), run as layerwise runs layers (``schedule``). On the parameter
+  server a partition's pull carries its forward index as its priority, and the servers
+  send the most urgent answers first (``pycoll.ps.server``).
 
 ``plan`` is the planner (pure Python, its cost model in its docstring), ``schedule`` the
 hooks and the partitions in flight, ``transports`` what a partition's transfer is.

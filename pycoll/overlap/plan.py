@@ -20,9 +20,12 @@ F_l, backward time B_l, measured):
 - Backward runs L..1. Partition k is ready once every layer it holds pieces of is done
   backward, and issued ``cpu`` later. Partitions are issued in the plan's issue order
   (every rank the same order; a partition is issued once it is ready and the one before
-  it in the order is issued) and go one at a time through each stage in that order, so
-  a partition enters a stage at max(its end of the stage before (its issue for the
-  first), the end of the partition before it in this stage) and leaves it c(P) later.
+  it in the order is issued) and go one at a time through the first stage in that
+  order: a partition enters it at max(its issue, the end of the partition before it
+  there) and leaves it c(P) later. The PS's second stage, the pulls, serves by priority
+  (the server sends waiting answers most urgent first, ``ps.server``): whenever it
+  frees it takes, of the partitions whose push has ended, the one with the lowest index
+  (the first to end its push if none has).
 - The next forward runs 1..L; layer l starts when layer l-1 is done and every partition
   holding its pieces has arrived. Step time T = the end of the last forward, counted from
   the start of backward. K = 1 is the default schedule, T = B + cpu + stages * c(all) +
@@ -50,6 +53,10 @@ first, so K..1 puts all of the link's backlog at the end of backward in front of
 partition with the lowest index (the earliest ready if none is); partitions ready late
 then overtake the backlog, and the next forward overlaps what is left. Each plan is
 scored in both orders, K..1 and by priority, and keeps the better.
+
+Measured plans: the plans profiled (one partition, layerwise) ran, so their measured
+step times compete with the best modelled T, and one of them is kept if it measured
+faster: a model fitted on a busy host can be wrong, a measurement less so.
 
 Damping: a re-plan keeps the running partitions and order unless the new plan's
 modelled T is at least ``KEEP`` (relative) below theirs under the same new profile, so
@@ -167,19 +174,30 @@ def reverse(parts: Sequence[Partition]) -> List[int]:
     return list(reversed(range(len(parts))))
 
 
+def urgent_first(arrive: Sequence[float], cost: Sequence[float]) -> List[Tuple[int, float]]:
+    """A stage that, whenever it frees, serves the partition with the lowest index of
+    those that have arrived (the first to arrive if none has): (partition, its end) in
+    the order served."""
+    left, t, out = set(range(len(arrive))), 0.0, []
+    while left:
+        now = [k for k in left if arrive[k] <= t]
+        k = min(now) if now else min(left, key=lambda k: (arrive[k], k))
+        t = max(t, arrive[k]) + cost[k]
+        out.append((k, t))
+        left.remove(k)
+    return out
+
+
+def _costs(parts: Sequence[Partition], tensors: Sequence[Tensor], profile: Profile) -> List[float]:
+    return [profile.alpha + nbytes(part, tensors) / profile.beta for part in parts]
+
+
 def by_priority(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
                 profile: Profile) -> List[int]:
     """The issue order of the first stage taking, whenever it frees, the ready partition
     the next forward needs first (see the module's docstring)."""
     ready, _ = ready_times(parts, tensors, order, profile)
-    left, t, out = set(range(len(parts))), 0.0, []
-    while left:
-        now = [k for k in left if ready[k] <= t]
-        k = min(now) if now else min(left, key=lambda k: (ready[k], k))
-        t = max(t, ready[k]) + profile.alpha + nbytes(parts[k], tensors) / profile.beta
-        out.append(k)
-        left.remove(k)
-    return out
+    return [k for k, _ in urgent_first(ready, _costs(parts, tensors, profile))]
 
 
 def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Sequence[int],
@@ -187,17 +205,19 @@ def simulate(parts: Sequence[Partition], tensors: Sequence[Tensor], order: Seque
     """The modelled step time T of ``parts`` issued in the order ``issue`` (default
     K..1; see the module's docstring)."""
     ready, backward_end = ready_times(parts, tensors, order, profile)
-    free = [0.0] * profile.stages     # when each stage is next free
+    cost = _costs(parts, tensors, profile)
+    end, free, issued = [0.0] * len(parts), 0.0, 0.0
+    for k in (reverse(parts) if issue is None else issue):      # the first stage: in order
+        issued = max(issued, ready[k])
+        end[k] = free = max(issued, free) + cost[k]
+    for _ in range(1, profile.stages):                           # the pulls: by priority
+        for k, at in urgent_first(list(end), cost):
+            end[k] = at
     arrived = {layer: 0.0 for layer in order}
-    issued = 0.0
-    for k in (reverse(parts) if issue is None else issue):
-        end = issued = max(issued, ready[k])
-        for stage in range(profile.stages):
-            end = free[stage] = max(end, free[stage]) + profile.alpha + \
-                nbytes(parts[k], tensors) / profile.beta
-        for p in parts[k]:
+    for k, part in enumerate(parts):
+        for p in part:
             layer = tensors[p.tensor].layer
-            arrived[layer] = max(arrived[layer], end)
+            arrived[layer] = max(arrived[layer], end[k])
     t = backward_end
     for layer in order:
         t = max(t, arrived[layer]) + profile.forward[layer]
@@ -315,10 +335,12 @@ class Plan:
 
 
 def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, grain: int,
-           version: int = 0, current: Optional[Plan] = None) -> Plan:
+           version: int = 0, current: Optional[Plan] = None,
+           measured: Sequence[Tuple[Plan, float]] = ()) -> Plan:
     """The best of the greedy plans (and layerwise, one partition, and the best greedy
-    plan refined), each in both issue orders, by modelled T; ``current`` (the running
-    plan) unless the best models ``KEEP`` faster than it."""
+    plan refined), each in both issue orders, by modelled T, or of the ``measured``
+    plans (plan, its measured step time) if one measured faster; ``current`` (the
+    running plan) unless the best is ``KEEP`` faster than it."""
     items = pieces(tensors, order, grain)
     if not items:
         raise ValueError("pycoll.overlap: the parameters hold no bytes; nothing to plan")
@@ -331,8 +353,12 @@ def choose(tensors: Sequence[Tensor], order: Sequence[int], profile: Profile, gr
         for issue in (reverse(parts), by_priority(parts, tensors, order, profile)):
             scored.append((simulate(parts, tensors, order, profile, issue), len(parts), i, issue))
     best, _, index, issue = min(scored)
+    chosen = Plan(candidates[index], list(order), best, version, issue)
+    for ran, step in measured:
+        if step < chosen.predicted_s:
+            chosen = Plan(ran.parts, list(order), step, version, ran.issue)
     if current is not None and current.order == list(order):
         kept = simulate(current.parts, tensors, order, profile, current.issue)
-        if best > (1 - KEEP) * kept:
+        if chosen.predicted_s > (1 - KEEP) * kept:
             return Plan(current.parts, list(order), kept, version, current.issue)
-    return Plan(candidates[index], list(order), best, version, issue)
+    return chosen

@@ -23,8 +23,9 @@ partition makes one after the other (``plan``'s cost model).
   measured between the hooks; step times; the forward's waits; the time issuing takes),
   times a small transfer (alpha; under ``--link``, the emulated link's), fits the cost
   model to them (``plan``'s calibration) and plans (``plan.choose``: the partitions and
-  their issue order; a re-plan keeps the running plan unless the new one models clearly
-  faster) on the first rank, whose plan every rank adopts (``agree``).
+  their issue order; one of the two profiled plans if it measured faster than the best
+  modelled; a re-plan keeps the running plan unless the new one is clearly faster) on
+  the first rank, whose plan every rank adopts (``agree``).
   Every ``PYCOLL_IPART_REPLAN_EVERY`` steps the first rank compares the mean step time
   with the one after planning; past ``PYCOLL_IPART_DRIFT`` (relative) every rank
   profiles and plans again. A plan changes only with nothing in flight.
@@ -237,7 +238,9 @@ class Schedule:
                 self._layerwise.parts, self.tensors, self._layerwise.order, profile,
                 layerwise.step, self._layerwise.issue)
             text = planner.choose(self.tensors, order, profile, self.grain,
-                                  self._running.version + 1, self._running).to_json()
+                                  self._running.version + 1, self._running,
+                                  [(self._one, one.step), (self._layerwise, layerwise.step)]
+                                  ).to_json()
         return Plan.from_json(self.agree(text))
 
     # ------------------------------------------------------------ backward

@@ -105,8 +105,10 @@ class ParameterServer:
     ``<name>[lo:hi]``), declared once: plans only regroup them. Partition k's gradient
     rows are packed (compiled) into one buffer per dtype, from which its push_pull sends
     them, so the gradients may change once it is issued; the answer lands in the
-    parameters' rows in place. Two stages: the push, then the pull (each link's two
-    directions, so one partition's pull overlaps the next one's push)."""
+    parameters' rows in place, and its priority is k (partitions are in forward order:
+    a server with answers waiting sends those the next forward needs first). Two stages:
+    the push, then the pull (each link's two directions, so one partition's pull
+    overlaps the next one's push)."""
     stages = 2
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str],
@@ -139,7 +141,7 @@ class ParameterServer:
                 values.append(buffer[offset:offset + view.numel()].view(view.shape))
                 outs.append(view)
                 offset += view.numel()
-        return self.push_pull(names, values, outs)
+        return self.push_pull(names, values, outs, priority=k)
 
     def complete(self, k: int, work) -> None:
         work.wait()

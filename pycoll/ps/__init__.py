@@ -72,6 +72,7 @@ Design
 """
 import atexit
 import json
+import math
 import sys
 import time
 from typing import Optional
@@ -277,13 +278,17 @@ def _outs(keys, outs, found):
     return _values(keys, outs)
 
 
-def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0, turn=None):
+def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0, turn=None,
+             priority: float = 0.0):
+    if not isinstance(priority, (int, float)) or not -math.inf < priority < math.inf:
+        raise ValueError(f"pycoll.ps: a pull's priority must be a finite number (smaller "
+                         f"is answered first), got {priority!r}")
     client = _client()
     found = client.lookup(names)
     sources = None if values is None else client.buffers(found, values, writable=False)
     outs = _outs(keys, outs, found)
     parts, unpack = client.parts(op, found, sources, client.buffers(found, outs, writable=True),
-                                 _weight(weight))
+                                 _weight(weight), float(priority))
     client.counters["pulls"] += 1
     client.counters["pushes"] += values is not None
 
@@ -294,19 +299,20 @@ def _pulling(op, keys, names, values=None, outs=None, weight: float = 1.0, turn=
                          keep=(values, outs), gate=None if turn is None else turn.gate)
 
 
-def pull(keys, outs=None):
+def pull(keys, outs=None, priority: float = 0.0):
     """Fetch ``keys``' parameters into ``outs`` (new numpy arrays if None); Work's result
-    is the tensor (one name) or the list of tensors."""
-    return _pulling(wire.PULL, keys, _names(keys), outs=outs)
+    is the tensor (one name) or the list of tensors. ``priority``: a server with answers
+    waiting (``PYCOLL_PS_REPLY_CREDIT``) sends the smaller first."""
+    return _pulling(wire.PULL, keys, _names(keys), outs=outs, priority=priority)
 
 
-def push_pull(keys, values, outs=None, weight: float = 1.0, turn=None):
-    """``push`` (with ``weight`` and ``turn``) then ``pull`` of the same keys, one request
-    per server: each server applies the push first, and its answer (the parameters)
-    acknowledges it."""
+def push_pull(keys, values, outs=None, weight: float = 1.0, turn=None, priority: float = 0.0):
+    """``push`` (with ``weight`` and ``turn``) then ``pull`` (with ``priority``) of the
+    same keys, one request per server: each server applies the push first, and its
+    answer (the parameters) acknowledges it."""
     _tick(_client())
     return _pulling(wire.PUSH_PULL, keys, _names(keys), _values(keys, values), outs, weight,
-                    turn)
+                    turn, priority)
 
 
 def turn(samples: int, busy_s: float = 0.0, wait: bool = True, compute_s: float = 0.0):

@@ -6,12 +6,24 @@ sleeps 1/64 of the quiet spell (``wire.nap``: 20 us while requests flow, up to 1
 when idle). Replies are sent without waiting for the worker to take them, so one
 slow receiver never holds up the answers to the others.
 
+Pulls' answers go out by priority (ByteScheduler's and P3's, at the server): a pull or
+push_pull carries one (``wire``: smaller is needed sooner; ``pycoll.overlap`` gives a
+partition its rank in the next forward's order), and while the answers in flight hold
+``PYCOLL_PS_REPLY_CREDIT`` bytes or more, the others wait in a queue that sends the most
+urgent first (among equals, the first answered). Posted answers cannot be overtaken (the
+link is a FIFO), so the credit bounds how long an urgent one waits. What each answer
+holds is fixed when it is answered, so the order changes no values. Requests themselves
+are served in arrival order: a worker's requests must be (its BSP rounds are its pushes
+in order), and its own issue order is already by priority.
+
 Every request is checked before it touches anything: the header (``wire.parse``), its
 keys against the shards (dtype, element count, range), its payload's message count and
 sizes (all of its messages are matched before any is applied). A bad request is
 answered with an error naming what is wrong, its payload is consumed so the worker's
 stream stays in step, and the server goes on; so it does after an internal error.
 """
+import heapq
+import itertools
 import json
 import logging
 import random
@@ -22,7 +34,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-from .. import tensors, timeline
+from .. import config, tensors, timeline
 from . import checkpoints as ckpt
 from . import wire
 from .optim import FLOATS, SGD, Shard
@@ -70,6 +82,17 @@ class _Sending:
     requests: list
     buffers: tuple               # kept alive until the requests complete
     lent: Optional[np.ndarray]   # the parameters array a reply reads in place, if any
+    nbytes: int = 0              # the answer's data
+
+
+@dataclass(order=True)
+class _Queued:
+    """An answer waiting for the credit: the most urgent first, then the first answered."""
+    priority: float
+    seq: int
+    call: "_Call" = field(compare=False)
+    data: np.ndarray = field(compare=False)
+    lent: Optional[np.ndarray] = field(compare=False)
 
 
 class Server:
@@ -102,6 +125,9 @@ class Server:
                           waited_for={})      # worker -> seconds pulls waited for it
         self.scratch = np.empty(tensors.piece_bytes(), np.uint8)    # one payload piece
         self.sending: List[_Sending] = []                    # replies still in flight
+        self.queued: List[_Queued] = []                      # answers waiting for credit
+        self.credit = config.get("ps_reply_credit")
+        self.answer_order = itertools.count()                # ties in priority: FIFO
         self.abandoned: list = []                            # receives that never completed
         self.quiet_since = self.last_housekeeping = time.monotonic()
         self.generation = 0          # the newest generation number in use in checkpoint_dir
@@ -483,6 +509,7 @@ class Server:
         request = message.Irecv([into, into.nbytes, MPI.BYTE])
         deadline = time.monotonic() + self.timeout
         while not request.Test():
+            self._retire()                  # the answers' credit frees while this comes in
             if time.monotonic() > deadline:
                 request.Cancel()
                 self.abandoned.append((request, into))      # MPI may still write there
@@ -533,7 +560,8 @@ class Server:
         """Copy on write: a reply still sending the shard's parameters keeps the old array
         and the shard goes on with a copy, so replies never wait and never copy up front."""
         self._retire()
-        if any(s.lent is shard.params for s in self.sending):
+        if any(s.lent is shard.params for s in self.sending) or \
+                any(q.lent is shard.params for q in self.queued):
             shard.params = shard.params.copy()
         shard.apply(update, self.sgd, start)
 
@@ -573,14 +601,25 @@ class Server:
             timeline.interval("pull waited", "ps wait", pull.since, worker=pull.call.worker,
                               reason=pull.reason, waited_for=list(pull.laggards))
         if len(shards) == 1:               # straight from the parameters (see _apply)
-            self._reply(pull.call, wire.OK, shards[0].params.view(np.uint8),
-                        lent=shards[0].params)
-            return
-        data, offset = np.empty(sum(s.params.nbytes for s in shards), np.uint8), 0
-        for s in shards:
-            data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
-            offset += s.params.nbytes
-        self._reply(pull.call, wire.OK, data)
+            data, lent = shards[0].params.view(np.uint8), shards[0].params
+        else:
+            data, offset, lent = np.empty(sum(s.params.nbytes for s in shards), np.uint8), 0, None
+            for s in shards:
+                data[offset:offset + s.params.nbytes] = s.params.view(np.uint8)
+                offset += s.params.nbytes
+        pull.call.answered = True          # queued counts: an error now is logged, not sent
+        heapq.heappush(self.queued, _Queued(pull.call.req.value2, next(self.answer_order),
+                                            pull.call, data, lent))
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        """Send queued answers, most urgent first, while those in flight hold less than
+        the credit (one at least; a credit of 0 sends each at once)."""
+        while self.queued:
+            if self.credit and sum(s.nbytes for s in self.sending) >= self.credit:
+                return
+            q = heapq.heappop(self.queued)
+            self._reply(q.call, wire.OK, q.data, lent=q.lent)
 
     def _reply(self, call: _Call, status, data=b"", laggard=-1, lent=None) -> None:
         call.answered = True
@@ -599,31 +638,33 @@ class Server:
         if data.nbytes:
             requests.append(self.comm.Isend([data, data.nbytes, MPI.BYTE], worker, data_tag))
             self.stats["bytes_out"] += data.nbytes
-        self.sending.append(_Sending(requests, (meta, data), lent))
+        self.sending.append(_Sending(requests, (meta, data), lent, data.nbytes))
 
     def _send_text(self, rank: int, tag: int, text: str) -> None:
         data = np.frombuffer(text.encode(), np.uint8)
         self.sending.append(_Sending([self.comm.Isend([data, MPI.BYTE], rank, tag)], (data,), None))
 
     def _retire(self) -> None:
-        """Forget the replies that are complete. A worker that has just taken one is
-        likely to send its next request soon: that ends the quiet spell too."""
+        """Forget the replies that are complete, and send queued answers in their credit.
+        A worker that has just taken one is likely to send its next request soon: that
+        ends the quiet spell too."""
         if self.sending:
             left = [s for s in self.sending if not MPI.Request.Testall(s.requests)]
             if len(left) < len(self.sending):
                 self.quiet_since = time.monotonic()
-            self.sending = left
+                self.sending = left
+                self._send_queued()
 
     def _drain(self) -> None:
         """Before exiting: let in-flight replies finish (a worker that gave up on one
         never takes it, hence the limit)."""
         deadline = time.monotonic() + min(self.timeout, 10.0)
-        while self.sending and time.monotonic() < deadline:
+        while (self.sending or self.queued) and time.monotonic() < deadline:
             self._retire()
             time.sleep(SLEEP_MIN)
-        if self.sending:
+        if self.sending or self.queued:
             log.warning("pycoll.ps server %d: %d replies were never taken by their workers",
-                        self.index, len(self.sending))
+                        self.index, len(self.sending) + len(self.queued))
 
     # ------------------------------------------------------------ state
     def stats_dict(self) -> dict:

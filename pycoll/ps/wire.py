@@ -20,7 +20,8 @@ multiplies the pushed values by it: 1 for a plain push); TURN (R²SP's gate, to 
 carries the samples of the worker's last iteration (int), the seconds it was busy and,
 of those, the seconds it computed (the part that grows with the batch; floats), and is
 answered, when it is the worker's turn, with JSON: the weight of
-that push and the worker's next batch size (``r2sp``).
+that push and the worker's next batch size (``r2sp``). A pull's and a push_pull's second
+float is its priority: the server sends the answers with the smaller first (``server``).
 
 Tags: a worker owns ``slots(tag_ub)`` slots of 4 tags each above ``TAG_BASE`` and gives
 each request a free one, so tags never pass the communicator's ``MPI.TAG_UB`` however
@@ -99,7 +100,7 @@ class Request(NamedTuple):
     nbytes: int
     value: float         # a push's weight, a turn's busy seconds
     sent: float          # the worker's clock when it sent the request
-    value2: float        # a turn's computing seconds (of its busy ones)
+    value2: float        # a turn's computing seconds (of its busy ones); a pull's priority
 
 
 def encode_table(entries: Sequence[Entry]) -> bytes:

@@ -60,7 +60,7 @@ class _Part:
                  payload=None, pieces=(), into=None, value: float = 1.0, value2: float = 0.0):
         self.server, self.op, self.table, self.nkeys, self.arg = server, op, table, nkeys, arg
         self.value = value              # the header's float: a push's weight (wire)
-        self.value2 = value2            # the second: a turn's computing seconds
+        self.value2 = value2            # the second: a turn's computing seconds, a pull's priority
         self.payload = payload          # uint8 array sent after the header, or None
         self.pieces = pieces            # (first, end) bytes of each payload message
         self.nbytes = 0 if payload is None else payload.nbytes
@@ -96,6 +96,18 @@ class _Op:
 def _spans(where, items):
     """(address, bytes) of each key range ``items`` names, in the caller's buffers."""
     return [(where[k.name].ptr + r.lo * k.itemsize, r.count * k.itemsize) for k, r in items]
+
+
+def _joined(spans):
+    """``spans`` with neighbours in memory made one: one span is used in place, no copy
+    (e.g. keys that are consecutive views of one buffer)."""
+    out = []
+    for ptr, n in spans:
+        if out and out[-1][0] + out[-1][1] == ptr:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((ptr, n))
+    return out
 
 
 class Client:
@@ -161,9 +173,11 @@ class Client:
                 [wire.Entry(k.name, k.dtype, k.count, r.lo, r.hi) for k, r in items])
         return table
 
-    def parts(self, op: int, keys: List[Key], sources=None, outs=None, weight: float = 1.0):
+    def parts(self, op: int, keys: List[Key], sources=None, outs=None, weight: float = 1.0,
+              priority: float = 0.0):
         """Parts that send ``sources`` (push, init, with ``weight``) and/or receive into
-        ``outs`` (pull), and the unpacking to run once they are done."""
+        ``outs`` (pull, answered by ``priority``), and the unpacking to run once they are
+        done."""
         parts, unpacks = [], []
         send = None if sources is None else {k.name: b for k, b in zip(keys, sources)}
         recv = None if outs is None else {k.name: b for k, b in zip(keys, outs)}
@@ -173,15 +187,16 @@ class Client:
             payload = pieces = into = None
             if send is not None:
                 spans = _spans(send, items)
-                if len(spans) == 1:
-                    payload = np.frombuffer(MPI.buffer.fromaddress(*spans[0]), np.uint8)
+                joined = _joined(spans)
+                if len(joined) == 1:
+                    payload = np.frombuffer(MPI.buffer.fromaddress(*joined[0]), np.uint8)
                 else:
-                    payload = np.empty(sum(n for _, n in spans), np.uint8)
-                    _C.pack(payload.ctypes.data, [p for p, _ in spans], [n for _, n in spans])
+                    payload = np.empty(sum(n for _, n in joined), np.uint8)
+                    _C.pack(payload.ctypes.data, [p for p, _ in joined], [n for _, n in joined])
                 pieces = wire.bounds(wire.pieces([n for _, n in spans],
                                                  [k.itemsize for k, _ in items]))
             if recv is not None:
-                spans = _spans(recv, items)
+                spans = _joined(_spans(recv, items))
                 if len(spans) == 1:
                     into = MPI.buffer.fromaddress(spans[0][0], spans[0][1])
                 else:
@@ -189,7 +204,8 @@ class Client:
                     unpacks.append((into, spans))
             version = self.versions[server] if op in (wire.PUSH, wire.PUSH_PULL) else 0
             parts.append(_Part(server, op, self._table(server, items), len(items), arg=version,
-                               payload=payload, pieces=pieces or (), into=into, value=weight))
+                               payload=payload, pieces=pieces or (), into=into, value=weight,
+                               value2=priority if recv is not None else 0.0))
 
         def unpack():
             for staging, spans in unpacks:

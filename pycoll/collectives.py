@@ -245,7 +245,7 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
         return
     contiguous = list(map(operator.add, dsts[:-1], sizes)) == dsts[1:]   # C loops, not Python's
     packed = contiguous and srcs == dsts         # views of one buffer, reduced in place
-    limit = chunk if packed else min(chunk, _CACHED_PIECE)
+    limit = chunk if contiguous else min(chunk, _CACHED_PIECE)
     for begin, nbytes in _pieces(sum(sizes), itemsize, limit):
         end = begin + nbytes
         piece = dsts[0] + begin if contiguous else engine.fusion_buffer(nbytes).ctypes.data
@@ -309,11 +309,13 @@ def _segments(sizes: Sequence[int], begin: int, end: int):
         pos += size
 
 
-# Pieces copied in or out (packed, unpacked) are at most this long, so that each stays in
-# a core's cache (2 MiB of L2 here) from pack through MPI to unpack: 1,000 x 4 KiB through
+# Pieces that are packed and unpacked are at most this long, so that each stays in a
+# core's cache (2 MiB of L2 here) from pack through MPI to unpack: 1,000 x 4 KiB through
 # grouped_allreduce_ at 2 ranks took 1.9x the floor with pieces of 512 KiB against 2.3x in
-# one piece of 4 MiB (numpy; torch 2.35x against 2.7-3.1x). Results are those of any
-# piece size (an elementwise reduction); the short path cuts the same pieces.
+# one piece of 4 MiB (numpy; torch 2.35x against 2.7-3.1x). Destinations back to back
+# (grouped_allreduce's new buffer) need no unpack and gained nothing, so they keep
+# PYCOLL_CHUNK_BYTES: each piece is one more MPI call, which ranks sharing a core pay
+# dearly. The short path cuts the same pieces.
 _CACHED_PIECE = 512 * 1024
 
 # A tensor this large costs more to copy into the fusion buffer and back (2 x 256 KiB at

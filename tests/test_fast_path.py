@@ -245,9 +245,10 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
 @pytest.mark.parametrize("inplace", [True, False])
 def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
     """A list longer than collectives._CACHED_PIECE is packed, reduced and unpacked a
-    piece at a time; the compiled pass (even ranks) and the general path (odd ranks, an
-    async allreduce unsent) cut the same pieces. torch's results are disjoint parts of
-    one buffer: writing one leaves the others."""
+    piece at a time in place (out of place, in PYCOLL_CHUNK_BYTES pieces of the new
+    buffer); the compiled pass (even ranks) and the general path (odd ranks, an async
+    allreduce unsent) cut the same pieces. torch's results are disjoint parts of one
+    buffer: writing one leaves the others."""
     arg, rank, size = group
     shapes = [(3,), (120, 500), (60000,), (7, 2), (120, 500), (60000,), (1,), (4, 15000)]
     assert sum(4 * np.prod(s) for s in shapes) > 2 * collectives._CACHED_PIECE

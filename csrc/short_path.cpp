@@ -184,7 +184,7 @@ struct Functions {
     PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
-    Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long (they stay in cache)
+    Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
     PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
     intptr_t in_place = 0;            // MPI_IN_PLACE
     intptr_t byte = 0, int64 = 0;     // MPI_BYTE, MPI_INT64_T
@@ -1056,14 +1056,15 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
     // destinations lie back to back (they are then their own, and need no unpack); pieces
-    // that are unpacked are at most cached_piece long.
+    // that are unpacked are at most cached_piece long per peer.
     bool contiguous = true;
     for (size_t i = 1; i < dsts.size(); ++i)
         contiguous &= static_cast<char*>(dsts[i - 1]) + m.sizes[i - 1] == dsts[i];
     const bool packed = contiguous && dsts == m.ptrs;
     const size_t itemsize = static_cast<size_t>(route.itemsize), total = m.total;
-    const size_t chunk = static_cast<size_t>(contiguous ? settings.max_bytes
-                                                        : std::min(settings.max_bytes, fn.cached_piece));
+    const size_t chunk = static_cast<size_t>(
+        contiguous ? settings.max_bytes
+                   : std::min(settings.max_bytes, fn.cached_piece * std::max<Py_ssize_t>(1, t.size - 1)));
     const size_t limit = std::min(chunk, (size_t{1} << 30) * itemsize);
     const size_t step = std::max(itemsize, limit / itemsize * itemsize);
     char* staging = nullptr;

@@ -245,7 +245,7 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
         return
     contiguous = list(map(operator.add, dsts[:-1], sizes)) == dsts[1:]   # C loops, not Python's
     packed = contiguous and srcs == dsts         # views of one buffer, reduced in place
-    limit = chunk if contiguous else min(chunk, _CACHED_PIECE)
+    limit = chunk if contiguous else min(chunk, _CACHED_PIECE * max(1, grp.size() - 1))
     for begin, nbytes in _pieces(sum(sizes), itemsize, limit):
         end = begin + nbytes
         piece = dsts[0] + begin if contiguous else engine.fusion_buffer(nbytes).ctypes.data
@@ -309,13 +309,14 @@ def _segments(sizes: Sequence[int], begin: int, end: int):
         pos += size
 
 
-# Pieces that are packed and unpacked are at most this long, so that each stays in a
-# core's cache (2 MiB of L2 here) from pack through MPI to unpack: 1,000 x 4 KiB through
-# grouped_allreduce_ at 2 ranks took 1.9x the floor with pieces of 512 KiB against 2.3x in
-# one piece of 4 MiB (numpy; torch 2.35x against 2.7-3.1x). Destinations back to back
-# (grouped_allreduce's new buffer) need no unpack and gained nothing, so they keep
-# PYCOLL_CHUNK_BYTES: each piece is one more MPI call, which ranks sharing a core pay
-# dearly. The short path cuts the same pieces.
+# Pieces that are packed and unpacked are at most this long per peer, so that each stays
+# in a core's cache (2 MiB of L2 here) from pack through MPI to unpack: 1,000 x 4 KiB
+# through grouped_allreduce_ at 2 ranks took 1.9x the floor in pieces of 512 KiB against
+# 2.3x in one of 4 MiB (numpy; torch 2.35x against 2.7-3.1x). Each piece is one more MPI
+# call, whose steps grow with the group (a ring's 2(n-1)): at 4 ranks on 2 cores 512 KiB
+# pieces took 2.7x against 1.7x in one, 1.5 MiB ones 1.8x. Destinations back to back
+# (grouped_allreduce's new buffer) need no unpack and gained nothing: they keep
+# PYCOLL_CHUNK_BYTES. The short path cuts the same pieces.
 _CACHED_PIECE = 512 * 1024
 
 # A tensor this large costs more to copy into the fusion buffer and back (2 x 256 KiB at

@@ -16,8 +16,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
-#include <deque>
 #include <ctime>
+#include <deque>
 #include <functional>
 #include <string>
 #include <memory>
@@ -226,8 +226,8 @@ void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPoi
 
 // A torch tensor class's five accessors, as its class holds them (torch's C functions,
 // or whatever a subclass put there), found once per class: calling them directly skips
-// the attribute lookup each call would make, a third of the cost of reading 1,000 small
-// tensors (grouped_allreduce). An attribute set on one tensor object is not seen.
+// the attribute lookup each call would make (reading 1,000 small tensors for
+// grouped_allreduce: 0.25 -> 0.21 ms). An attribute set on one tensor object is not seen.
 struct TorchClass {
     PyObject* type;  // owned, with the accessors: a class that dies could give its address to another
     PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype;

@@ -263,7 +263,8 @@ def parts(case: Case) -> None:
             timed.update({
                 "read": cpu_ms(lambda: tensors.host_pointers(xs)),
                 "pack": cpu_ms(lambda: _C.pack(staging, ptrs, sizes, 0, total)),
-                "unpack+scale": cpu_ms(lambda: _C.unpack(staging, ptrs, sizes, dtype, 0.5, 0, total)),
+                "unpack+scale": cpu_ms(
+                    lambda: _C.unpack(staging, ptrs, sizes, dtype, 0.5, 0, total)),
                 "scale": cpu_ms(lambda: _C.scale(staging, total // 4, dtype, 0.5)),
                 "new buffer+views": cpu_ms(lambda: tensors.views_like(xs, sizes))})
         for op in ("sum", "average"):

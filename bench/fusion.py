@@ -7,7 +7,7 @@ torch.distributed gloo.
         [--thresholds 1M,4M,16M,64M,128M] [--chunks 1M,2M,4M,8M,64M] [--cycles 0,0.5,2]
         [--iters 20] [--target-ms 300] [--warmup 2] [--batches 5] [--small-count 1000]
         [--small-bytes 4K] [--large-bytes 64M] [--scale 1] [--ops sum,average]
-        [--kinds torch,numpy] [--check] [--json PATH] [--no-gloo]
+        [--kinds torch,numpy] [--check] [--parts] [--json PATH] [--no-gloo]
 
 Cases (float32, op Sum, each tensor its own allocation, zero-filled so that repeated
 in-place sums stay finite):
@@ -45,6 +45,13 @@ fused pass added to it, against the staging buffer (one chunk). --check compares
 pycoll's fused results (Sum and Average, at the defaults and at every swept value) with
 numpy on every rank.
 --scale shrinks the ResNet-50 tensors (for tests; the shape list is checked at full size).
+--parts first times the pieces of a grouped pass over the small case in one process, as
+CPU time (at 1 rank MPI is a no-op, so a pass there is what it costs beyond MPI): reading
+the list (tensors.host_pointers), packing and unpacking its bytes in one piece through a
+buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer and
+views (tensors.views_like), and each grouped form whole (which packs and unpacks in
+pieces that stay in cache). The header and the end give the load average: on a shared
+machine it says what the times are worth.
 """
 import argparse
 import itertools
@@ -229,6 +236,50 @@ def check(case: Case) -> bool:
     return bool(comm.allreduce(ok, op=MPI.LAND))
 
 
+def cpu_ms(fn, batches: int = 15, per: int = 10) -> float:
+    """CPU time (process_time) of one call of ``fn`` in ms: the fastest quartile of
+    ``batches`` batches of ``per`` calls, so other processes' load counts little."""
+    times = []
+    for _ in range(batches):
+        t0 = time.process_time()
+        for _ in range(per):
+            fn()
+        times.append((time.process_time() - t0) / per)
+    return sorted(times)[len(times) // 4] * 1e3
+
+
+def parts(case: Case) -> None:
+    """Where a grouped pass over ``case`` goes, piece by piece, in this process (rank 0
+    prints; every rank runs the whole passes, which are collective)."""
+    from pycoll import _C, tensors
+    lines = []
+    for kind in ("torch", "numpy"):
+        xs = case.of(kind)
+        ptrs, sizes, dtype = tensors.host_pointers(xs)
+        total, buffer = sum(sizes), np.empty(sum(sizes), np.uint8)
+        staging = buffer.ctypes.data
+        timed = {}
+        if comm.rank == 0:
+            timed.update({
+                "read": cpu_ms(lambda: tensors.host_pointers(xs)),
+                "pack": cpu_ms(lambda: _C.pack(staging, ptrs, sizes, 0, total)),
+                "unpack+scale": cpu_ms(
+                    lambda: _C.unpack(staging, ptrs, sizes, dtype, 0.5, 0, total)),
+                "scale": cpu_ms(lambda: _C.scale(staging, total // 4, dtype, 0.5)),
+                "new buffer+views": cpu_ms(lambda: tensors.views_like(xs, sizes))})
+        for op in ("sum", "average"):
+            for form in FORMS[1:]:
+                timed[f"{form} {op}"] = cpu_ms(case.form(form_name(form, op, kind)), 10, 5)
+        lines.append(f"#   {kind:>5}: " + ", ".join(f"{k} {v:.3f}" for k, v in timed.items()))
+    if comm.rank == 0:
+        print(f"\n# parts of a grouped pass over {case.label}, CPU ms of rank 0 (fastest "
+              f"quartile; at {comm.size} rank(s)):\n" + "\n".join(lines), flush=True)
+
+
+def load_line() -> str:
+    return "# load average: " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def count_batches(fn) -> int:
     """How many MPI allreduces (fused batches, or tensors sent alone) ``fn`` made, from
     counting calls to pycoll's internals; None if they are not where this expects."""
@@ -397,6 +448,8 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="sum,average", help="pycoll's forms with each of these ops")
     p.add_argument("--kinds", default="torch,numpy", help="... on each of these kinds")
     p.add_argument("--check", action="store_true", help="verify results; exit 1 on failure")
+    p.add_argument("--parts", action="store_true",
+                   help="time the pieces of a grouped pass over the small case first")
     p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
     args = p.parse_args(argv)
@@ -427,7 +480,7 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(machine_line("fusion", mach) + ", float32, op sum\n" + memcpy_line(memcpy)
               + "\n# in use: " + ", ".join(f"{k} {SWEEPS[k][0](v)}" for k, v in defaults.items())
-              + (f"\n# note: {note}" if note else ""), flush=True)
+              + (f"\n# note: {note}" if note else "") + "\n" + load_line(), flush=True)
 
     cases = make_cases(args)
     # Memory: what pycoll's first fused pass over every case adds to the resident set
@@ -441,6 +494,9 @@ def main(argv=None) -> int:
         case.pycoll()
     pycoll_extra = peak_rss_mib() - rss_before
 
+    if args.parts:
+        parts(next((c for c in cases if c.name == "small"), None)
+              or make_cases(argparse.Namespace(**{**vars(args), "cases": ["small"]}))[0])
     ok = True
     if args.check:
         for case in cases:
@@ -479,7 +535,7 @@ def main(argv=None) -> int:
             print(f"#   rank {m['rank']}: {m['rss_before_mib']:8.1f} "
                   f"{m['pycoll_extra_mib']:+8.1f} {m['peak_main_mib']:8.1f} "
                   f"{m['peak_rss_mib']:8.1f}")
-        print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
+        print(f"\n# {elapsed:.1f} s; " + load_line()[2:] + ("" if not args.check else
               "; check " + ("OK" if ok else "FAILED")), flush=True)
         if args.json:
             meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,

@@ -271,7 +271,7 @@ PYBIND11_MODULE(_C, m) {
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
          "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
-         "alltoall_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): what the *_now functions call and use "
+         "alltoall_failed, views, staging, alone_bytes, cached_piece, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
          "short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): whether the *_now "

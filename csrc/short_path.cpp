@@ -17,6 +17,7 @@
 #include <climits>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <functional>
 #include <string>
 #include <memory>
@@ -183,6 +184,7 @@ struct Functions {
     PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
+    Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
     PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
     intptr_t in_place = 0;            // MPI_IN_PLACE
     intptr_t byte = 0, int64 = 0;     // MPI_BYTE, MPI_INT64_T
@@ -222,6 +224,43 @@ void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPoi
 
 // ---------------------------------------------------------------- reading a tensor
 
+// A torch tensor class's five accessors, as its class holds them (torch's C functions,
+// or whatever a subclass put there), found once per class: calling them directly skips
+// the attribute lookup each call would make (reading 1,000 small tensors for
+// grouped_allreduce: 0.25 -> 0.21 ms). An attribute set on one tensor object is not seen.
+struct TorchClass {
+    PyObject* type;  // owned, with the accessors: a class that dies could give its address to another
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype;
+
+    // An attribute's value on x, through its descriptor when it has one.
+    static PyObject* get(PyObject* attr, PyObject* x) {
+        descrgetfunc descr_get = Py_TYPE(attr)->tp_descr_get;
+        return descr_get ? descr_get(attr, x, reinterpret_cast<PyObject*>(Py_TYPE(x))) : Py_NewRef(attr);
+    }
+    // x.method(): the class's function called with x (no bound method made).
+    static PyObject* call(PyObject* method, PyObject* x) { return PyObject_Vectorcall(method, &x, 1, nullptr); }
+};
+std::deque<TorchClass> torch_classes;  // a deque: what torch_class returned stays where it is
+
+// The accessors of x's class (a torch tensor class); nullptr with an error.
+const TorchClass* torch_class(PyObject* x) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
+    for (const TorchClass& c : torch_classes)
+        if (c.type == type) return &c;
+    TorchClass c{Py_NewRef(type), nullptr, nullptr, nullptr, nullptr, nullptr};
+    PyObject** slots[] = {&c.is_cpu, &c.is_contiguous, &c.data_ptr, &c.nbytes, &c.dtype};
+    PyObject* names[] = {s.is_cpu, s.is_contiguous, s.data_ptr, s.nbytes, s.dtype};
+    for (size_t i = 0; i < 5; ++i) {
+        if (!(*slots[i] = PyObject_GetAttr(type, names[i]))) {  // the descriptor itself, as the class holds it
+            for (size_t j = 0; j <= i; ++j) Py_XDECREF(*slots[j]);
+            Py_DECREF(type);
+            return nullptr;
+        }
+    }
+    torch_classes.push_back(c);
+    return &torch_classes.back();
+}
+
 // Reads a host tensor (Host): 0: read; 1: not a tensor this path reads (the general path
 // then does); -1: error.
 int read_host(PyObject* x, bool writable, Host& out) {
@@ -247,18 +286,20 @@ int read_host(PyObject* x, bool writable, Host& out) {
         torch = found.get();
     }
     if (torch != Py_True) return 1;
-    Ref cpu(PyObject_GetAttr(x, s.is_cpu));
+    const TorchClass* c = torch_class(x);
+    if (!c) return -1;
+    Ref cpu(TorchClass::get(c->is_cpu, x));
     if (!cpu) return -1;
     if (cpu.get() != Py_True) return 1;
-    Ref contiguous(PyObject_CallMethodNoArgs(x, s.is_contiguous));
+    Ref contiguous(TorchClass::call(c->is_contiguous, x));
     if (!contiguous) return -1;
     if (contiguous.get() != Py_True) return 1;
-    Ref ptr(PyObject_CallMethodNoArgs(x, s.data_ptr)), nbytes(PyObject_GetAttr(x, s.nbytes));
+    Ref ptr(TorchClass::call(c->data_ptr, x)), nbytes(TorchClass::get(c->nbytes, x));
     if (!ptr || !nbytes) return -1;
     out.ptr = PyLong_AsVoidPtr(ptr.get());
     out.nbytes = PyLong_AsSsize_t(nbytes.get());
     if (PyErr_Occurred()) return -1;
-    out.dtype.reset(PyObject_GetAttr(x, s.dtype));
+    out.dtype.reset(TorchClass::get(c->dtype, x));
     return out.dtype ? 0 : -1;
 }
 
@@ -545,13 +586,13 @@ bool init(PyObject* module) {
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
-                                     "new_counts", "gather_failed", "alltoall_failed", "views", "staging", "alone_bytes", "mpi_error",
+                                     "new_counts", "gather_failed", "alltoall_failed", "views", "staging", "alone_bytes", "cached_piece", "mpi_error",
                                      "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOOnOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOOnnOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
                                      &f.huge_paged, &f.new_counts, &f.gather_failed, &f.alltoall_failed, &f.views, &f.staging,
-                                     &f.alone_bytes, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
+                                     &f.alone_bytes, &f.cached_piece, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
@@ -1014,14 +1055,18 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     Paced paced;
     if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
-    // destinations lie back to back (they are then their own, and need no unpack).
-    const size_t itemsize = static_cast<size_t>(route.itemsize), total = m.total;
-    const size_t limit = std::min(static_cast<size_t>(settings.max_bytes), (size_t{1} << 30) * itemsize);
-    const size_t step = std::max(itemsize, limit / itemsize * itemsize);
+    // destinations lie back to back (they are then their own, and need no unpack); pieces
+    // that are unpacked are at most cached_piece long per peer.
     bool contiguous = true;
     for (size_t i = 1; i < dsts.size(); ++i)
         contiguous &= static_cast<char*>(dsts[i - 1]) + m.sizes[i - 1] == dsts[i];
     const bool packed = contiguous && dsts == m.ptrs;
+    const size_t itemsize = static_cast<size_t>(route.itemsize), total = m.total;
+    const size_t chunk = static_cast<size_t>(
+        contiguous ? settings.max_bytes
+                   : std::min(settings.max_bytes, fn.cached_piece * std::max<Py_ssize_t>(1, t.size - 1)));
+    const size_t limit = std::min(chunk, (size_t{1} << 30) * itemsize);
+    const size_t step = std::max(itemsize, limit / itemsize * itemsize);
     char* staging = nullptr;
     Ref buffer;
     if (!contiguous) {

@@ -240,9 +240,7 @@ def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
 def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
     """One new buffer of ``sum(sizes)`` bytes, of the kind and dtype of ``xs`` (host
     tensors that ``host_pointers`` read), seen as one view shaped like each ``x``; the
-    views and the buffer's address. Each run of equal shapes is cut in one call (torch's
-    unbind, numpy's iteration over rows): a view made one at a time costs more than the
-    reduction of its bytes."""
+    views and the buffer's address."""
     first = as_array(xs[0])
     itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
     flat = empty_like(first, (sum(sizes) // itemsize,))
@@ -251,15 +249,23 @@ def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
 
 
 def views_of(flat, xs) -> list:
-    """The one-dimensional ``flat`` cut, in order, into views shaped like each of ``xs``."""
+    """The one-dimensional ``flat`` (a new buffer no one else sees) cut, in order, into
+    views shaped like each of ``xs``. Each run of equal shapes is cut in one call: a view
+    made one at a time costs more than the reduction of its bytes. torch's cut is
+    ``unsafe_split_with_sizes``: its parts are not views for autograd, which they need not
+    be (disjoint, of a base no one holds), and cost 0.29 us each against unbind's 0.43."""
     views: list = []
     start = 0
+    torch_cut = hasattr(flat, "unsafe_split_with_sizes")
     for shape, run in itertools.groupby(x.shape for x in xs):
         count, extent = sum(1 for _ in run), math.prod(shape)
         block = flat[start:start + count * extent]
         if count == 1:
             views.append(block.reshape(shape))
-        elif shape:                     # iterating over dim 0: torch unbinds, numpy views rows
+        elif shape and torch_cut:
+            rows, rest = shape[0], tuple(shape[1:])
+            views.extend(block.view((count * rows,) + rest).unsafe_split_with_sizes([rows] * count))
+        elif shape:                     # numpy: a view of each row
             views.extend(block.reshape((count,) + tuple(shape)))
         else:                           # numpy would give scalars, not 0-d arrays
             views.extend(block[i:i + 1].reshape(()) for i in range(count))

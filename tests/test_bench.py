@@ -104,13 +104,13 @@ def test_plot(small_sweep):
 def fusion_run(tmp_path_factory):
     """bench/fusion.py at 2 ranks, shrunk (ResNet-50 list x 1/100, 50 x 4 KiB, 256 KiB),
     each form with Average on torch and numpy, --check (Sum and Average) at thresholds that split the lists (4 KiB: every tensor alone) or not, chunks
-    that cut tensors and cycle times; (stdout, JSON)."""
+    that cut tensors and cycle times, --parts; (stdout, JSON)."""
     out = tmp_path_factory.mktemp("fusion") / "fusion.json"
     stdout = run_bench(FUSION, "--scale", "0.01", "--small-count", "50", "--iters", "2",
                        "--batches", "2", "--warmup", "1", "--target-ms", "5",
                        "--large-bytes", "256K", "--thresholds", "4K,64K,16M",
                        "--chunks", "1000,16M", "--cycles", "0,1", "--ops", "average",
-                       "--kinds", "torch,numpy", "--check", "--json", out)
+                       "--kinds", "torch,numpy", "--check", "--parts", "--json", out)
     return stdout, json.loads(out.read_text())
 
 
@@ -125,6 +125,11 @@ def test_fusion_output(fusion_run):
     assert "pycoll-grouped-new/mpi4py-concat" in stdout
     assert "worst grouped form/mpi4py-concat" in stdout and "/floor" in stdout
     assert "rank 0:" in stdout and "rank 1:" in stdout and "check OK" in stdout
+    assert stdout.count("# load average: ") == 1 and "; load average: " in stdout
+    parts = stdout.split("# parts of a grouped pass over 50 tensors")[1].splitlines()[1:3]
+    for kind, line in zip(("torch", "numpy"), parts):
+        assert line.startswith(f"#   {kind}: read ") and "new buffer+views" in line
+        assert "pycoll-grouped-new average" in line
 
 
 def test_fusion_json(fusion_run):

@@ -241,6 +241,38 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
         assert len({owner(y) for y in ys}) == 1
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
+    """A list longer than collectives._CACHED_PIECE (per peer) is packed, reduced and
+    unpacked a piece at a time in place (out of place, in PYCOLL_CHUNK_BYTES pieces of the new
+    buffer); the compiled pass (even ranks) and the general path (odd ranks, an async
+    allreduce unsent) cut the same pieces. torch's results are disjoint parts of one
+    buffer: writing one leaves the others."""
+    arg, rank, size = group
+    shapes = [(3,)] + [(120, 500), (60000,), (4, 15000)] * 4 + [(7, 2), (59999,), (1,), (60000,)]
+    assert sum(4 * np.prod(s) for s in shapes) > 2 * collectives._CACHED_PIECE * max(1, size - 1)
+    tensor = torch.from_numpy if kind == "torch" else np.asarray
+
+    def inputs(r):
+        return [tensor((np.arange(np.prod(s), dtype=np.float32).reshape(s) + i) % 251 + r)
+                for i, s in enumerate(shapes)]
+    pending = pycoll.allreduce_async_(np.ones(2), op=pycoll.Sum, group=arg)
+    if rank % 2 == 0:
+        pending.wait()
+    xs = inputs(rank)
+    ys = (pycoll.grouped_allreduce_ if inplace else pycoll.grouped_allreduce)(
+        xs, op=pycoll.Average, group=arg)
+    assert short_runs() == (rank % 2 == 0)
+    for y, parts in zip(ys, zip(*[inputs(r) for r in range(size)])):
+        np.testing.assert_allclose(np.asarray(y), sum(np.asarray(p, np.float64) for p in parts)
+                                   / size, rtol=1e-6)
+    if kind == "torch" and not inplace:
+        ys[1].fill_(-1)
+        assert (ys[0] != -1).all() and (ys[2] != -1).all() and ys[4].sum() > 0
+        assert not ys[1].requires_grad and ys[-4].add_(1).shape == (7, 2)
+
+
 def test_grouped_lists_the_compiled_pass_leaves_to_the_general_path(settings, group, short_runs):
     """Lists that _allreduce_many splits (past the fusion threshold, or holding a tensor
     that goes alone), of mixed kinds or dtypes, and tuples."""

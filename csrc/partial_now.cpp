@@ -1,9 +1,10 @@
 // partial_allreduce's blocking call in one compiled entry. A call on a contiguous host
 // tensor, with the engine idle and checks and the timeline off, goes from here straight
 // into the exchange (partial.cpp) or the group's cached communicator, without the GIL
-// (under --link between the emulation's enter and leave, as the short path's collectives); in Python the same call cost about 5 us of planning, several times a
-// small exchange. Anything else returns None before a count changes, and the general path
-// in pycoll/partial.py runs it (and says what is wrong with bad arguments).
+// (under --link between the emulation's enter and leave, as the short path's collectives);
+// in Python the same call cost about 5 us of planning, several times a small exchange.
+// Anything else returns None before a count changes, and the general path in
+// pycoll/partial.py runs it (and says what is wrong with bad arguments).
 //
 // One state: the counts that pycoll.partial keeps for every group (rounds begun with each
 // peer, which make the tags; uses of each group, which switch it to a cached communicator)
@@ -185,7 +186,8 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     short_path::Token token(name, s_name);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
-    // The model of the exchange the general path would pace, either way it runs here.
+    // Paced as the general path paces it: the direct exchange's model up to direct_bytes,
+    // the ring's beyond (a cached communicator's Allreduce included).
     short_path::Paced paced(link);
     if (!paced.begin(host.nbytes <= static_cast<Py_ssize_t>(settings.direct_bytes) ? s_direct : s_allreduce,
                      key.get(), host.nbytes))

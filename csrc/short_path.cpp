@@ -395,7 +395,6 @@ int rank_in(const Target& t) {
 // Whether the short path may run at all now.
 bool active() { return fn.ready && settings.enabled && world.gate && mpi::bound(); }
 
-
 // MPI's error code as mpi4py's exception; nullptr.
 PyObject* mpi_failed(int code) {
     Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));

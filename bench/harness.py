@@ -77,13 +77,26 @@ def teardown_gloo(dist) -> None:
 
 # ---------------------------------------------------------------- timing
 
-def time_batch(fn: Callable[[], object], iters: int) -> float:
-    """Seconds per call of ``fn``: the batch mean on the slowest rank (same on every rank)."""
+def time_batch(fn: Callable[[], object], iters: int, sleep_when_done: bool = False) -> float:
+    """Seconds per call of ``fn``: the batch mean on the slowest rank (same on every rank).
+    ``sleep_when_done``: a rank done with its batch (or with nothing to run) sleeps until
+    the others are, rather than spinning in MPI on a core they need."""
     comm.Barrier()                   # every rank starts the batch together
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
-    return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
+    mine = np.array([(time.perf_counter() - t0) / iters])
+    if not sleep_when_done:
+        return comm.allreduce(mine[0], op=MPI.MAX)
+    slowest = np.empty(1)
+    sleep_until_done(comm.Iallreduce(mine, slowest, op=MPI.MAX))
+    return float(slowest[0])
+
+
+def sleep_until_done(request) -> None:
+    """Wait for an MPI ``request`` sleeping, not spinning: ranks outnumber cores here."""
+    while not request.Test():
+        time.sleep(0.0005)
 
 
 def iters_for_time(fn: Callable[[], object], target_s: float, max_iters: int) -> int:
@@ -95,22 +108,24 @@ def iters_for_time(fn: Callable[[], object], target_s: float, max_iters: int) ->
 
 def interleave(fns: Dict[str, Callable[[], object]], iters: Union[int, Dict[str, int]],
                warmup: int, batches: int,
-               setup: Optional[Dict[str, Callable[[], object]]] = None) -> Dict[str, List[float]]:
+               setup: Optional[Dict[str, Callable[[], object]]] = None,
+               sleep_when_done: bool = False) -> Dict[str, List[float]]:
     """Seconds per call for each of ``fns``: ``batches`` batches each, the implementations
     interleaved batch by batch in rotating order, after ``warmup`` untimed calls each.
-    ``setup[name]()`` runs (untimed) before each of that name's batches."""
+    ``setup[name]()`` runs (untimed) before each of that name's batches; ``sleep_when_done``
+    as ``time_batch``'s."""
     names = list(fns)
     per = iters if isinstance(iters, dict) else dict.fromkeys(names, iters)
     setup = setup or {}
     for name in names:               # warm up: connections, caches, first-touch pages
         setup.get(name, lambda: None)()
         if warmup:
-            time_batch(fns[name], warmup)
+            time_batch(fns[name], warmup, sleep_when_done)
     times: Dict[str, List[float]] = {name: [] for name in names}
     for b in range(batches):
         for name in names[b % len(names):] + names[:b % len(names)]:
             setup.get(name, lambda: None)()
-            times[name].append(time_batch(fns[name], per[name]))
+            times[name].append(time_batch(fns[name], per[name], sleep_when_done))
     return times
 
 
@@ -136,9 +151,7 @@ def memcpy_gbps(nbytes: int = 64 * MiB, reps: int = 10) -> float:
             times.append(time.perf_counter() - t0)
         gbps = nbytes / statistics.median(times) / 1e9
         del src, dst
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.001)
+    sleep_until_done(comm.Ibarrier())
     return comm.bcast(gbps)
 
 

@@ -264,8 +264,8 @@ PYBIND11_MODULE(_C, m) {
          "me, size, tag_ub, clone, failed): pycoll.partial's per-world state and callbacks; "
          "partial_bind(None) at shutdown."},
         {"partial_settings", partial_now::configure, METH_VARARGS,
-         "partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout): whenever the "
-         "settings change."},
+         "partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout, enter=None, "
+         "leave=None): whenever the settings change; enter/leave pace each round under --link."},
         {"short_path_runs", short_path::count, METH_NOARGS,
          "How many collectives the *_now functions have run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),

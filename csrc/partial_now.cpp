@@ -1,9 +1,10 @@
 // partial_allreduce's blocking call in one compiled entry. A call on a contiguous host
-// tensor, with the engine idle and checks, link emulation and the timeline off, goes from
-// here straight into the exchange (partial.cpp) or the group's cached communicator,
-// without the GIL; in Python the same call cost about 5 us of planning, several times a
-// small exchange. Anything else returns None before a count changes, and the general path
-// in pycoll/partial.py runs it (and says what is wrong with bad arguments).
+// tensor, with the engine idle and checks and the timeline off, goes from here straight
+// into the exchange (partial.cpp) or the group's cached communicator, without the GIL
+// (under --link between the emulation's enter and leave, as the short path's collectives);
+// in Python the same call cost about 5 us of planning, several times a small exchange.
+// Anything else returns None before a count changes, and the general path in
+// pycoll/partial.py runs it (and says what is wrong with bad arguments).
 //
 // One state: the counts that pycoll.partial keeps for every group (rounds begun with each
 // peer, which make the tags; uses of each group, which switch it to a cached communicator)
@@ -35,13 +36,14 @@ struct Bound {
 } b;
 
 struct Settings {
-    bool enabled = false;  // off under PYCOLL_CHECK, --link and the timeline
+    bool enabled = false;  // off under PYCOLL_CHECK and the timeline
     long cache_after = 0;
     size_t direct_bytes = 0, doubling_from = 4, chunk_bytes = 1;
     double timeout = 0;
 } settings;
+short_path::Link link;  // the emulation's hooks under --link (partial_settings)
 
-PyObject *s_handle, *s_name;
+PyObject *s_handle, *s_name, *s_direct, *s_allreduce;
 
 // ranks as sorted members; false (no error) for anything the general path should judge.
 bool members_of(PyObject* ranks, std::vector<int>& members, size_t& me) {
@@ -112,7 +114,9 @@ PyObject* bind(PyObject*, PyObject* args) {
     if (!s_handle) {
         s_handle = PyUnicode_InternFromString("handle");
         s_name = PyUnicode_InternFromString("partial_allreduce");
-        if (!s_handle || !s_name) return nullptr;
+        s_direct = PyUnicode_InternFromString("direct");
+        s_allreduce = PyUnicode_InternFromString("allreduce");
+        if (!s_handle || !s_name || !s_direct || !s_allreduce) return nullptr;
     }
     for (PyObject* held : {n.shared, n.uses, n.comms, n.broken, n.abandoned, n.clone, n.failed})
         Py_INCREF(held);
@@ -124,11 +128,18 @@ PyObject* bind(PyObject*, PyObject* args) {
 PyObject* configure(PyObject*, PyObject* args) {
     int enabled;
     Settings n;
-    if (!PyArg_ParseTuple(args, "plnnnd:partial_settings", &enabled, &n.cache_after, &n.direct_bytes,
-                          &n.doubling_from, &n.chunk_bytes, &n.timeout))
+    PyObject *enter = Py_None, *leave = Py_None;
+    if (!PyArg_ParseTuple(args, "plnnnd|OO:partial_settings", &enabled, &n.cache_after, &n.direct_bytes,
+                          &n.doubling_from, &n.chunk_bytes, &n.timeout, &enter, &leave))
         return nullptr;
+    if ((enter == Py_None) != (leave == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "partial_settings: pass both enter and leave, or neither");
+        return nullptr;
+    }
     n.enabled = enabled != 0;
     settings = n;
+    Py_XSETREF(link.enter, enter == Py_None ? nullptr : Py_NewRef(enter));
+    Py_XSETREF(link.leave, leave == Py_None ? nullptr : Py_NewRef(leave));
     Py_RETURN_NONE;
 }
 
@@ -175,6 +186,12 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     short_path::Token token(name, s_name);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
+    // Paced as the general path paces it: the direct exchange's model up to direct_bytes,
+    // the ring's beyond (a cached communicator's Allreduce included).
+    short_path::Paced paced(link);
+    if (!paced.begin(host.nbytes <= static_cast<Py_ssize_t>(settings.direct_bytes) ? s_direct : s_allreduce,
+                     key.get(), host.nbytes))
+        return nullptr;
 
     // Counted before anything can fail: every member counts every round issued to it.
     if (!set_count(b.uses, key.get(), uses)) return nullptr;
@@ -205,7 +222,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         r.doubling_from = settings.doubling_from, r.timeout = settings.timeout;
         if (!exchange(r, outcome)) return nullptr;
     }
-    if (outcome.status == partial::Outcome::Done) return out.release();
+    if (outcome.status == partial::Outcome::Done) return paced.end() ? out.release() : nullptr;
     Ref sends(sends_of(outcome));
     if (!sends) return nullptr;
     Ref raised(PyObject_CallFunction(b.failed, "OOOiiiO", key.get(), name, out.get(), static_cast<int>(outcome.status),

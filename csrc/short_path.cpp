@@ -199,12 +199,7 @@ struct Settings {
     Py_ssize_t fusion_threshold = 0;  // a grouped allreduce this large is split in groups (PYCOLL_FUSION_THRESHOLD)
 } settings;
 
-// Under --link (pycoll.emulation): enter(kind, group, nbytes) -> entry before a collective's MPI
-// calls, leave(entry) after them (it sleeps until the modelled end); both null without a link.
-struct Link {
-    PyObject* enter = nullptr;
-    PyObject* leave = nullptr;
-} link;
+Link link;  // this path's pacing under --link (short_path_settings)
 
 struct World {
     Gate* gate = nullptr;  // the engine's; nullptr while pycoll is not initialized
@@ -441,28 +436,6 @@ int rank_in(const Target& t) {
 // Whether the short path may run at all now.
 bool active() { return fn.ready && settings.enabled && world.gate && mpi::bound(); }
 
-// One collective paced under --link, nothing without: begin() before its MPI calls, end()
-// after them; each false with an error.
-class Paced {
-   public:
-    bool begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
-        if (!link.enter) return true;
-        Ref enter(Py_NewRef(link.enter)), size(PyLong_FromSsize_t(nbytes));
-        leave_.reset(Py_NewRef(link.leave));  // ours: the settings may change meanwhile
-        PyObject* args[] = {kind, group, size.get()};
-        entry_.reset(size ? PyObject_Vectorcall(enter.get(), args, 3, nullptr) : nullptr);
-        return static_cast<bool>(entry_);
-    }
-    bool end() {
-        if (!leave_) return true;
-        Ref left(PyObject_CallOneArg(leave_.get(), entry_.get()));
-        return static_cast<bool>(left);
-    }
-
-   private:
-    Ref leave_, entry_;
-};
-
 // MPI's error code as mpi4py's exception; nullptr.
 PyObject* mpi_failed(int code) {
     Ref error(PyObject_CallFunction(fn.mpi_error, "i", code));
@@ -552,6 +525,20 @@ int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*
     route = route_of(op, x, in.dtype.get());
     if (!route) return PyErr_Occurred() ? -1 : 1;
     return 0;
+}
+
+bool Paced::begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
+    if (!enter_) return true;
+    Ref size(PyLong_FromSsize_t(nbytes));
+    PyObject* args[] = {kind, group, size.get()};
+    entry_.reset(size ? PyObject_Vectorcall(enter_.get(), args, 3, nullptr) : nullptr);
+    return static_cast<bool>(entry_);
+}
+
+bool Paced::end() {
+    if (!entry_) return true;
+    Ref left(PyObject_CallOneArg(leave_.get(), entry_.get()));
+    return static_cast<bool>(left);
 }
 
 Token::Token(PyObject* name, PyObject* kind) : gate_(reinterpret_cast<PyObject*>(world.gate)) {
@@ -690,7 +677,7 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.allreduce, group, in.nbytes)) return nullptr;
     const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
     void* recv = inplace ? in.ptr : result.ptr;
@@ -731,7 +718,7 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.broadcast);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
     const int nbytes = static_cast<int>(in.nbytes), r = static_cast<int>(root);
@@ -770,7 +757,7 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     }
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
     // MPI's own even call where every rank's part is the same (the rule of the general path)
     const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
@@ -803,7 +790,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
     Token token(name, s.allgather);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.allgather, group, a.in.nbytes)) return nullptr;
     if (!without_gil([&] { return mpi::allgather(meta, 3, fn.int64, gathered.data(), 3, fn.int64, t.comm); }))
         return nullptr;
@@ -889,7 +876,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     std::vector<int64_t> gathered(n * (n + 1));
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
     if (!without_gil([&] {
             return mpi::allgather(meta.data(), static_cast<int>(n + 1), fn.int64, gathered.data(),
@@ -1052,7 +1039,7 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced;
+    Paced paced(link);
     if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
     // destinations lie back to back (they are then their own, and need no unpack); pieces

@@ -74,6 +74,27 @@ struct Host {
 // -1 with a Python error.
 int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route);
 
+// Under --link (pycoll.emulation): enter(kind, group, nbytes) -> entry before a collective's MPI
+// calls, leave(entry) after them (it sleeps until the modelled end); both null without a link.
+// This path's are given by short_path_settings, partial_now's by partial_settings.
+struct Link {
+    PyObject* enter = nullptr;
+    PyObject* leave = nullptr;
+};
+
+// One collective paced under `hooks`' link, nothing without: begin() before its MPI calls,
+// end() after them; each false with an error.
+class Paced {
+   public:
+    // The hooks are held from here: the settings may change meanwhile.
+    explicit Paced(const Link& hooks) : enter_(Py_XNewRef(hooks.enter)), leave_(Py_XNewRef(hooks.leave)) {}
+    bool begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes);
+    bool end();
+
+   private:
+    Ref enter_, leave_, entry_;
+};
+
 // The engine's token for one compiled call (this path's and partial_now's), given back when
 // it goes out of scope (an error already raised stays raised). Not held while work issued
 // earlier is queued or running (that runs first), nor with no Gate bound.

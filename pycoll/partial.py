@@ -29,11 +29,13 @@ round's receive, whatever the groups. (Ranks only ever match messages from a nam
 source, so other pairs' tags do not matter.)
 
 A blocking call on a contiguous host tensor, made while the engine is idle and with
-checks, ``--link`` and the timeline off, is one compiled call (``_C.partial_now``,
+checks and the timeline off, is one compiled call (``_C.partial_now``,
 csrc/partial_now.cpp): it reads the tensor and routes its (op, dtype) as the collectives'
 short path does (its reader and its table), counts the round in this module's own dicts
 (``_Cache``: uses, rounds per peer) by the same rules, and runs the exchange or the
-cached communicator's Allreduce without the GIL; anything else it leaves to ``_plan``.
+cached communicator's Allreduce without the GIL; under ``--link`` between the emulation's
+``enter`` and ``leave`` (``_link_enter``), as the short path's collectives. Anything else
+it leaves to ``_plan``.
 
 Partial all-reduces run on the engine in issue order, like every collective. Groups that
 share ranks must be issued in the same relative order on their common members (a group
@@ -336,10 +338,16 @@ def _read_settings() -> None:
     _settings = _Settings(config.get("check"), config.get("partial_cache_after"),
                           config.get("partial_direct_bytes"), config.get("partial_doubling_from"),
                           config.get("chunk_bytes"), config.get("timeout"), config.get("link"))
-    # The compiled entry: checks, link emulation and the timeline happen here only.
-    _C.partial_settings(not _settings.check and not _settings.link and not timeline.configured(),
+    # The compiled entry: checks and the timeline happen here only.
+    _C.partial_settings(not _settings.check and not timeline.configured(),
                         _settings.cache_after, _settings.direct_bytes, _settings.doubling_from,
-                        _settings.chunk_bytes, _settings.timeout)
+                        _settings.chunk_bytes, _settings.timeout,
+                        *((_link_enter, emulation.leave) if _settings.link else ()))
+
+
+def _link_enter(kind: str, members: Tuple[int, ...], nbytes: int):
+    """The compiled entry's ``emulation.enter`` for a round of ``members`` (as ``_plan``'s)."""
+    return emulation.enter(kind, _state().comm, nbytes, members=members)
 
 
 _settings: _Settings

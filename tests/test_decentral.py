@@ -211,3 +211,28 @@ def test_training_under_every_policy_matches_synchronous(pycoll_world):
         assert synchronous > 0.9
         for scheme, result in results.items():
             assert result["final_accuracy"] >= synchronous - 0.03, (scheme, result["final_accuracy"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_adpsgd_averages_atomically_then_applies_the_gradient(pycoll_world):
+    """Lian et al.'s order on an active: average with one random passive, then apply its own
+    gradient (x_i <- (x_i + x_j) / 2 - lr * g): rank 0 (x = 0, g = 1, lr = 1) ends at 4
+    when its passive held 10, and that passive at the average, 5; the other passives keep
+    10. Only rank 0 steps, so no other averaging can come between."""
+    torch = pytest.importorskip("torch")
+    from pycoll.decentral import ADPSGD
+    rank = pycoll.rank()
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0 if rank % 2 == 0 else 10.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sync = ADPSGD(model, seed=rank)
+    if rank == 0:
+        model.weight.grad = torch.ones_like(model.weight)
+        sync.step(optimizer)
+    sync.close()                        # a passive has served every averaging by then
+    weights = pycoll.allgather(np.array([model.weight.item()]))
+    want = [4.0] + [0.0 if r % 2 == 0 else 10.0 for r in range(1, pycoll.size())]
+    (averaged,) = [r for r in range(1, pycoll.size(), 2) if weights[r] == 5.0]
+    want[averaged] = 5.0
+    np.testing.assert_array_equal(weights, want)

@@ -351,3 +351,35 @@ def test_tags_stay_unique_when_both_paths_and_cached_groups_mix(settings, pycoll
         for b in range(size):
             if a != b:
                 assert everyone[a][b] == everyone[b][a], (a, b)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("count, kind", [(64, "direct"), (4096, "allreduce")])
+def test_the_compiled_entry_runs_under_a_link_and_costs_its_model(settings, pycoll_world, count,
+                                                                    kind):
+    """Default configuration (no checks): under --link a blocking partial all-reduce is
+    still one compiled call (``_C.partial_now`` runs it rather than stepping aside), paced
+    between the emulation's enter and leave: it costs at least its model's time and gives
+    the result it gives without a link."""
+    import time
+    from mpi4py import MPI
+    from pycoll import _C, emulation
+    latency, bandwidth = 2e-3, 100e6
+    settings(check=False, partial_cache_after=0, partial_direct_bytes=1024,
+             link=f"{latency * 1e3:g}ms,{bandwidth / 1e6:g}MB/s")
+    n, rank = pycoll.size(), pycoll.rank()
+    ranks = list(range(max(2, n - 1)))              # at 3 ranks and more, one sits out
+    x = np.full(count, rank + 1.0, np.float32)
+    partial._state()                                # bound as by a first call
+    MPI.COMM_WORLD.Barrier()
+    if rank not in ranks:
+        return
+    start = time.monotonic()
+    y = _C.partial_now(x, False, ranks, pycoll.Sum, None)
+    took = time.monotonic() - start
+    assert y is not None, "the compiled entry stepped aside under a link"
+    cost = emulation.collective_time(kind, len(ranks), x.nbytes, latency, bandwidth)
+    assert took >= cost * 0.99, (took, cost)
+    settings(link=None)
+    np.testing.assert_array_equal(y, pycoll.partial_allreduce(x, ranks, op=pycoll.Sum))
+    np.testing.assert_array_equal(y, sum(m + 1.0 for m in ranks))

@@ -10,10 +10,10 @@
 - ``AllReduce``: synchronous data parallel; gradients are averaged before the update.
 - ``Ripples``: local update, then the model is averaged with this step's group through
   ``pycoll.partial_allreduce_`` (Luo et al., 2019).
-- ``ADPSGD``: local update, then the model is averaged with one random neighbour (Lian et
-  al., 2018). Workers split into active (even ranks) and passive (odd ranks) sets; only
-  actives start an averaging, with a random passive, whose service thread averages and
-  replies, so two workers never wait for each other in a cycle.
+- ``ADPSGD``: the model is averaged with one random neighbour, atomically, then the local
+  gradient is applied (Lian et al., 2018). Workers split into active (even ranks) and
+  passive (odd ranks) sets; only actives start an averaging, with a random passive, whose
+  service thread averages and replies, so two workers never wait for each other in a cycle.
 
 Models are averaged as one flat float vector (``parameters_to_vector``); optimizer state
 such as momentum stays local, as in both papers.
@@ -77,6 +77,21 @@ _AVERAGE, _REPLY, _BYE = 1, 2, 3
 class ADPSGD:
     """Pairwise gossip: actives (even ranks) average with a random passive (odd rank).
 
+    What Lian et al. prescribe (Algorithm 2, each worker in a loop): compute a gradient g on
+    the model as read (x^); atomically average with one random neighbour, x_i, x_j <-
+    (x_i + x_j) / 2; then x_i <- x_i - lr * g. The graph is bipartite: actives start
+    averagings, passives only answer, so no cycle of workers waits on itself. Atomic: an
+    averaging and the passive's own update never interleave, and a passive averages with
+    one active at a time (actives that pick the same passive queue).
+
+    What we do: every active neighbours every passive. An active's ``step`` sends its model
+    to a random passive and takes back the average (its model cannot change meanwhile:
+    nothing else writes it), then applies its gradient with ``optimizer.step()`` (with the
+    optimizer's momentum and the like, where the paper has plain SGD). A passive's service
+    thread takes averagings one at a time, in arrival order, and runs each under the lock
+    its own ``optimizer.step()`` takes; its gradient may have been computed on a model an
+    averaging has since replaced, the paper's x^ (an averaging never lands mid-update).
+
     Collective to construct and to close (it duplicates pycoll's world communicator).
     """
 
@@ -104,11 +119,13 @@ class ADPSGD:
                      f"({timeout:g} s) for rank {peer}")
 
     def step(self, optimizer) -> None:
+        """Average (an active, with a random passive), then apply this worker's gradient."""
+        if self.rank in self.actives and self.passives:
+            self._average(self.rng.choice(self.passives))
         with self.lock:
             optimizer.step()
-        if self.rank not in self.actives or not self.passives:
-            return
-        peer = self.rng.choice(self.passives)
+
+    def _average(self, peer: int) -> None:
         mine = self._flat()
         theirs = np.empty_like(mine)
         recv = self.comm.Irecv(theirs, source=peer, tag=_REPLY)

@@ -517,8 +517,8 @@ struct Carried {
     size_t words = 0;          // header words
     size_t block = 0;          // bytes per rank, a multiple of 8
     bool complete = false;     // every rank's parts came with the headers: no second round
-    std::vector<int64_t> got;  // the blocks received, one per rank
-    const int64_t* header(size_t r) const { return got.data() + r * block / 8; }
+    const int64_t* got = nullptr;  // the blocks received, one per rank (this thread's, until its next exchange)
+    const int64_t* header(size_t r) const { return got + r * block / 8; }
     const char* part(size_t r) const { return reinterpret_cast<const char*>(header(r) + words); }
 };
 
@@ -541,10 +541,11 @@ int exchange(Kind kind, const Target& t, const std::vector<int64_t>& header, con
     c.words = header.size();
     c.block = 8 * c.words + static_cast<size_t>(capacity);
     const bool fits = header[0] <= capacity;
-    thread_local std::vector<int64_t> sent;
+    thread_local std::vector<int64_t> sent, received;  // grown, never cleared: not zeroed on every call
     const size_t blocks = kind == kAllgather ? 1 : n;
-    sent.resize(blocks * c.block / 8);
-    c.got.resize(n * c.block / 8);
+    sent.resize(std::max(sent.size(), blocks * c.block / 8));
+    received.resize(std::max(received.size(), n * c.block / 8));
+    c.got = received.data();
     char* at = reinterpret_cast<char*>(sent.data());
     for (size_t d = 0; d < blocks; ++d, at += c.block) {
         std::memcpy(at, header.data(), 8 * c.words);
@@ -553,8 +554,8 @@ int exchange(Kind kind, const Target& t, const std::vector<int64_t>& header, con
     }
     const int count = static_cast<int>(c.block);
     if (int code = kind == kAllgather
-                       ? mpi::allgather(sent.data(), count, fn.byte, c.got.data(), count, fn.byte, t.comm)
-                       : mpi::alltoall(sent.data(), count, fn.byte, c.got.data(), count, fn.byte, t.comm))
+                       ? mpi::allgather(sent.data(), count, fn.byte, received.data(), count, fn.byte, t.comm)
+                       : mpi::alltoall(sent.data(), count, fn.byte, received.data(), count, fn.byte, t.comm))
         return code;
     int64_t largest = 0;
     for (size_t r = 0; r < n; ++r) largest = std::max(largest, c.header(r)[0]);
@@ -1063,10 +1064,11 @@ PyObject* carried_exchange(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (PyErr_Occurred()) return nullptr;
     Carried c;
     if (!without_gil([&] { return exchange(static_cast<Kind>(kind), t, header, send, parts, c); })) return nullptr;
-    Ref blocks(PyObject_CallFunction(fn.new_counts, "n", static_cast<Py_ssize_t>(c.got.size())));
+    const size_t words = static_cast<size_t>(t.size) * c.block / 8;
+    Ref blocks(PyObject_CallFunction(fn.new_counts, "n", static_cast<Py_ssize_t>(words)));
     Host h;
     if (!blocks || read_host(blocks.get(), true, h) != 0) return nullptr;
-    std::memcpy(h.ptr, c.got.data(), 8 * c.got.size());
+    std::memcpy(h.ptr, c.got, 8 * words);
     return Py_BuildValue("(OO)", blocks.get(), c.complete ? Py_True : Py_False);
 }
 

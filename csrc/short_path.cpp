@@ -769,7 +769,8 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Target t;
     if (!target_of(group, t)) return nullptr;
     const long root = PyLong_AsLong(root_arg);
-    if (root < 0 || root >= t.size || !fits(in.nbytes)) {
+    const Py_ssize_t count = in.nbytes / route->itemsize;
+    if (root < 0 || root >= t.size || count > (Py_ssize_t{1} << 30)) {  // the general path's one piece
         PyErr_Clear();
         Py_RETURN_NONE;  // the general path says what is wrong, or goes in pieces
     }
@@ -791,8 +792,9 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Paced paced;
     if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
-    const int nbytes = static_cast<int>(in.nbytes), r = static_cast<int>(root);
-    if (!without_gil([&] { return mpi::bcast(data, nbytes, fn.byte, r, t.comm); })) return nullptr;
+    const int n = static_cast<int>(count), r = static_cast<int>(root);
+    const intptr_t datatype = route->datatype;  // typed, as the general path and mpi4py send it
+    if (!without_gil([&] { return mpi::bcast(data, n, datatype, r, t.comm); })) return nullptr;
     ++runs;
     return paced.end() ? out.release() : nullptr;
 }

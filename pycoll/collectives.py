@@ -509,8 +509,10 @@ def _plan_broadcast(x, root, group, name, inplace):
     def run():
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
         with _host(dst, read=grp.rank() == root, write=True) as d, timeline.phase("in MPI"):
-            for offset, nbytes in _pieces(dst.nbytes, 1):
-                grp.comm.Bcast(message(d + offset, nbytes), root=root)
+            # typed, as mpi4py sends an array (MPI_BYTE x 4n took 1.20x mpi4py's MPI_FLOAT
+            # x n at 64 MiB, 2 ranks)
+            for offset, nbytes in _pieces(dst.nbytes, ITEMSIZE[dst.dtype]):
+                grp.comm.Bcast(message(d + offset, nbytes, dst.dtype), root=root)
         return out
     return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
 

@@ -354,7 +354,7 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
 }
 
 // The communicator a collective runs on, its size, and the group's carried capacities (its
-// `carry`, one int64 per Carry kind: see exchange()).
+// `carry`, one int64 per Kind: see exchange()).
 struct Target {
     intptr_t comm = 0;
     Py_ssize_t size = 0;

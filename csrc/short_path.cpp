@@ -363,7 +363,8 @@ struct Target {
 
 // The collectives that agree on sizes with their data (exchange()), indexing a group's `carry`.
 enum Kind { kAllgather, kAlltoall, kReduceScatter, kKinds };
-constexpr int64_t kCarriedMax = 16 * 1024;  // a larger part moves in a second round, not through staging
+constexpr int64_t kCarriedMax = 4 * 1024;  // a larger part moves in a second round: copying it through
+                                            // staging cost more than that round (64 KiB, 4 ranks)
 
 // A group's `carry` array: its int64 capacities (owned by the group); false with an error.
 bool carry_of(PyObject* group, int64_t*& out);

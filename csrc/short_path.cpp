@@ -363,8 +363,11 @@ struct Target {
 
 // The collectives that agree on sizes with their data (exchange()), indexing a group's `carry`.
 enum Kind { kAllgather, kAlltoall, kReduceScatter, kKinds };
-constexpr int64_t kCarriedMax = 4 * 1024;  // a larger part moves in a second round: copying it through
-                                            // staging cost more than that round (64 KiB, 4 ranks)
+// The largest part each carries; a larger one moves in a second round. At 4 ranks and 64 KiB
+// (16 KiB a part) copying allgather's and alltoall's parts through staging cost more than
+// that round; reduce_scatter's second round is MPI's reduce-scatter after the headers, which
+// cost more than its carried alltoall and local reduction.
+constexpr int64_t kCarriedMax[kKinds] = {4 * 1024, 4 * 1024, 16 * 1024};
 
 // A group's `carry` array: its int64 capacities (owned by the group); false with an error.
 bool carry_of(PyObject* group, int64_t*& out);
@@ -561,7 +564,7 @@ int exchange(Kind kind, const Target& t, const std::vector<int64_t>& header, con
     int64_t largest = 0;
     for (size_t r = 0; r < n; ++r) largest = std::max(largest, c.header(r)[0]);
     c.complete = largest <= capacity;
-    capacity = largest <= kCarriedMax ? (largest + 7) / 8 * 8 : 0;
+    capacity = largest <= kCarriedMax[kind] ? (largest + 7) / 8 * 8 : 0;
     return 0;
 }
 

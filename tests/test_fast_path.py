@@ -196,9 +196,10 @@ def test_short_path_allgather_names_what_the_ranks_disagree_on(group, short_runs
 def test_either_path_meets_the_other_whatever_the_capacity(group, short_runs):
     """allgather, alltoall and reduce_scatter send their sizes with their data in one
     exchange, and what did not fit the group's capacity (its last call's largest part, up
-    to 4 KiB, 16 KiB for reduce_scatter) in a second: ranks on the short path (even ones) and on the general one (odd
-    ones, through the async forms) meet as the rows grow (two rounds), repeat (one),
-    shrink (one) and pass the carried size (700 rows of 8 float32: 22 KiB a part)."""
+    to 4 KiB, 16 KiB for reduce_scatter) in a second: ranks on the short path (even ones)
+    and on the general one (odd ones, through the async forms) meet as the rows grow (two
+    rounds), repeat (one), shrink (one) and pass the carried size (700 rows of 8 float32:
+    22 KiB a part)."""
     arg, rank, size = group
 
     def run(name, *args, **kwargs):

@@ -233,6 +233,10 @@ PYBIND11_MODULE(_C, m) {
         {"alltoall_now", FAST(short_path::alltoall_now), METH_FASTCALL,
          "alltoall_now(x, splits, out, group, name) -> (result, received splits): alltoall's short path (as "
          "allreduce_now's)."},
+        {"carried_exchange", FAST(short_path::carried_exchange), METH_FASTCALL,
+         "carried_exchange(kind, group, header, send, parts) -> (blocks, complete): the one exchange of headers "
+         "(and parts that fit the group's capacity) that allgather (kind 0), alltoall (1) and reduce_scatter (2) "
+         "make, on host memory at address send; for the general path."},
         {"grouped_allreduce_now", FAST(short_path::grouped_allreduce_now), METH_FASTCALL,
          "grouped_allreduce_now(xs, inplace, op, group, name): a blocking grouped allreduce of a list of host tensors "
          "that fuse into one group, in one compiled pass (read, pack, MPI_Allreduce, unpack; views of one new buffer "
@@ -241,7 +245,8 @@ PYBIND11_MODULE(_C, m) {
          "host_block(nbytes) -> a HostBlock: uninitialized host memory on huge pages, exported through the buffer "
          "protocol; its memory is reused by a later block once it dies (large results, tensors.empty_like)."},
         {"row_signature", short_path::row_signature, METH_VARARGS,
-         "row_signature(dtype, row_shape) -> int: what allgather's ranks compare before gathering."},
+         "row_signature(dtype, row_shape) -> int: what allgather's and alltoall's ranks compare (reduce_scatter's: "
+         "dtype 'float32/sum', and so on)."},
         {"host_buffer", FAST(short_path::host_buffer), METH_FASTCALL,
          "host_buffer(x, names, buffer_type) -> tensors.Buffer of a writable, contiguous host tensor read as the "
          "short path reads one, whose dtype names holds; None for any other x."},
@@ -270,8 +275,8 @@ PYBIND11_MODULE(_C, m) {
          "How many collectives the *_now functions have run in this process."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
-         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, gather_failed, "
-         "alltoall_failed, views, staging, alone_bytes, cached_piece, mpi_error, in_place, byte, int64): what the *_now functions call and use "
+         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, failed, "
+         "views, staging, alone_bytes, cached_piece, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
          "short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): whether the *_now "
@@ -279,7 +284,7 @@ PYBIND11_MODULE(_C, m) {
          "grouped_allreduce_now takes; under --link, enter(kind, group, nbytes) -> entry before each one's MPI calls "
          "and leave(entry) after them."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
-         "short_path_bind(gate, world_handle, world_size): the engine's Gate and the world (pycoll.init); "
+         "short_path_bind(gate, world_handle, world_size, world_group): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},
     };
     if (!short_path::init(m.ptr()) || PyType_Ready(&block_type) < 0) throw py::error_already_set();

@@ -179,8 +179,7 @@ struct Functions {
     PyObject* empty_like = nullptr;   // empty_like(x, shape): an out-of-place result
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
-    PyObject* gather_failed = nullptr;  // gather_failed(x, out, group, name, meta): raises what is wrong
-    PyObject* alltoall_failed = nullptr;  // alltoall_failed(x, out, group, name, meta): the same for alltoall
+    PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
     PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
@@ -205,12 +204,13 @@ struct World {
     Gate* gate = nullptr;  // the engine's; nullptr while pycoll is not initialized
     intptr_t comm = 0;
     Py_ssize_t size = 0;
+    int64_t* carry = nullptr;  // the world group's (which the runtime keeps while it is bound)
 } world;
 
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *new_empty;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *carry, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
     PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
@@ -389,11 +389,24 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     return PyDict_SetItem(fn.routes, key.get(), held.get()) < 0 ? nullptr : kept;
 }
 
-// The communicator a collective runs on, its size and this process's rank in it.
+// The communicator a collective runs on, its size, and the group's carried capacities (its
+// `carry`, one int64 per Kind: see exchange()).
 struct Target {
     intptr_t comm = 0;
     Py_ssize_t size = 0;
+    int64_t* carry = nullptr;
 };
+
+// The collectives that agree on sizes with their data (exchange()), indexing a group's `carry`.
+enum Kind { kAllgather, kAlltoall, kReduceScatter, kKinds };
+// The largest part each carries; a larger one moves in a second round. At 4 ranks and 64 KiB
+// (16 KiB a part) copying allgather's and alltoall's parts through staging cost more than
+// that round; reduce_scatter's second round is MPI's reduce-scatter after the headers, which
+// cost more than its carried alltoall and local reduction.
+constexpr int64_t kCarriedMax[kKinds] = {4 * 1024, 4 * 1024, 16 * 1024};
+
+// A group's `carry` array: its int64 capacities (owned by the group); false with an error.
+bool carry_of(PyObject* group, int64_t*& out);
 
 // The parts of the group last resolved (a group's are fixed: the resolver refuses one that
 // shutdown released). The reference keeps that group alive, so another cannot take its
@@ -407,7 +420,7 @@ GroupParts last_group;
 // group= as the caller passed it; false with an error.
 bool target_of(PyObject* group, Target& out) {
     if (group == Py_None) {
-        out = {world.comm, world.size};
+        out = {world.comm, world.size, world.carry};
         return true;
     }
     Ref grp(PyObject_CallOneArg(fn.resolve, group));  // raises for what cannot be used
@@ -417,9 +430,10 @@ bool target_of(PyObject* group, Target& out) {
         intptr_t comm;
         if (!handle || !ranks || !as_ptr(handle.get(), comm)) return false;
         const Py_ssize_t size = PyObject_Length(ranks.get());
-        if (size < 0) return false;
+        int64_t* carry;
+        if (size < 0 || !carry_of(grp.get(), carry)) return false;
         Py_XSETREF(last_group.group, Py_NewRef(grp.get()));
-        last_group.target = {comm, size};
+        last_group.target = {comm, size, carry};
     }
     out = last_group.target;  // copied: another thread may change the cache meanwhile
     return true;
@@ -476,22 +490,6 @@ bool takes(Py_ssize_t nargs, Py_ssize_t wanted, const char* usage) {
 
 PyObject* left(int read) { return read < 0 ? nullptr : none(); }
 
-// The ranks' flat exchange `meta` as a list, handed to `failed(x, out, group, name, meta)`,
-// the general path's check, which raises what is wrong (every rank sees the same); nullptr.
-PyObject* disagreed(PyObject* failed, const std::vector<int64_t>& meta, PyObject* x, PyObject* given,
-                    PyObject* group, PyObject* name, const char* what) {
-    Ref meta_list(PyList_New(static_cast<Py_ssize_t>(meta.size())));
-    for (size_t i = 0; meta_list && i < meta.size(); ++i) {
-        PyObject* item = PyLong_FromLongLong(meta[i]);
-        if (!item) meta_list.reset(nullptr);
-        else PyList_SET_ITEM(meta_list.get(), static_cast<Py_ssize_t>(i), item);
-    }
-    if (!meta_list) return nullptr;
-    Ref raised(PyObject_CallFunctionObjArgs(failed, x, given, group, name, meta_list.get(), nullptr));
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%s: the ranks' tensors disagree", what);
-    return nullptr;
-}
-
 // A tensor that reduce_scatter, allgather and alltoall cut into rows along dim 0, and the
 // group they run on.
 struct Rows {
@@ -517,6 +515,106 @@ int read_rows(PyObject* x, PyObject* op, PyObject* group, bool need_dim0, Rows& 
 
 // Rows split as evenly as possible, the first ranks taking one more (collectives._split_rows).
 int64_t rows_of_rank(int64_t rows, Py_ssize_t parts, Py_ssize_t r) { return rows / parts + (r < rows % parts); }
+
+bool carry_of(PyObject* group, int64_t*& out) {
+    Ref carry(PyObject_GetAttr(group, s.carry));
+    Py_buffer view;
+    if (!carry || PyObject_GetBuffer(carry.get(), &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return false;
+    out = static_cast<int64_t*>(view.buf);  // the group, which its caller holds, keeps the array
+    const bool right = view.len == 8 * kKinds;
+    PyBuffer_Release(&view);
+    if (!right) PyErr_SetString(PyExc_TypeError, "a group's carry must be a writable int64 array of 3");
+    return right;
+}
+
+// ---------------------------------------------------------------- sizes agreed with the data
+
+// Each rank's block of one exchange: its header, then as many bytes of its part for that
+// receiver as the group's capacity holds.
+struct Carried {
+    size_t words = 0;          // header words
+    size_t block = 0;          // bytes per rank, a multiple of 8
+    bool complete = false;     // every rank's parts came with the headers: no second round
+    const int64_t* got = nullptr;  // the blocks received, one per rank (this thread's, until its next exchange)
+    const int64_t* header(size_t r) const { return got + r * block / 8; }
+    const char* part(size_t r) const { return reinterpret_cast<const char*>(header(r) + words); }
+};
+
+// The one agreement of allgather, alltoall and reduce_scatter (both paths): a receiver of
+// an allgather or alltoall cannot know its sizes by itself, and a wrong out= on any rank
+// must raise on every rank, not leave the others waiting. So each rank sends, in the
+// collective's one MPI call (Allgather, or Alltoall of per-receiver parts), its header
+// [largest part in bytes, signature, out='s bytes or -1, sizes...] and its parts, up to
+// the group's capacity for that kind. Every rank then sees every header: a mismatch
+// raises everywhere; parts that did not fit move in a second round whose sizes all now
+// know. The capacity is the largest part of the group's last such call (0 beyond
+// kCarriedMax: large parts are not copied through staging), so a repeated call takes one
+// round; every member computes it from the same headers, so it is the same on all.
+// `send` holds the parts back to back (allgather: the one part every rank receives).
+// Without the GIL; MPI's error code.
+int exchange(Kind kind, const Target& t, const std::vector<int64_t>& header, const char* send,
+             const std::vector<int64_t>& parts, Carried& c) {
+    const size_t n = static_cast<size_t>(t.size);
+    int64_t& capacity = t.carry[kind];
+    c.words = header.size();
+    c.block = 8 * c.words + static_cast<size_t>(capacity);
+    const bool fits = header[0] <= capacity;
+    thread_local std::vector<int64_t> sent, received;  // grown, never cleared: not zeroed on every call
+    const size_t blocks = kind == kAllgather ? 1 : n;
+    sent.resize(std::max(sent.size(), blocks * c.block / 8));
+    received.resize(std::max(received.size(), n * c.block / 8));
+    c.got = received.data();
+    char* at = reinterpret_cast<char*>(sent.data());
+    for (size_t d = 0; d < blocks; ++d, at += c.block) {
+        std::memcpy(at, header.data(), 8 * c.words);
+        if (fits) std::memcpy(at + 8 * c.words, send, static_cast<size_t>(parts[d]));
+        send += parts[d];
+    }
+    const int count = static_cast<int>(c.block);
+    if (int code = kind == kAllgather
+                       ? mpi::allgather(sent.data(), count, fn.byte, received.data(), count, fn.byte, t.comm)
+                       : mpi::alltoall(sent.data(), count, fn.byte, received.data(), count, fn.byte, t.comm))
+        return code;
+    int64_t largest = 0;
+    for (size_t r = 0; r < n; ++r) largest = std::max(largest, c.header(r)[0]);
+    c.complete = largest <= capacity;
+    capacity = largest <= kCarriedMax[kind] ? (largest + 7) / 8 * 8 : 0;
+    return 0;
+}
+
+// The carried parts, back to back at `dst`: `bytes[r]` from rank r.
+void unpack(const Carried& c, char* dst, const std::vector<int>& bytes) {
+    for (size_t r = 0; r < bytes.size(); dst += bytes[r], ++r) std::memcpy(dst, c.part(r), static_cast<size_t>(bytes[r]));
+}
+
+// reduce_scatter's carried parts, `count` elements from each rank, reduced at `dst`.
+void reduce(const Carried& c, size_t n, char* dst, size_t count, const Route& route) {
+    std::memcpy(dst, c.part(0), count * static_cast<size_t>(route.itemsize));
+    for (size_t r = 1; r < n; ++r) cpu::reduce(dst, c.part(r), count, route.dt, route.reduce);
+}
+
+// The headers of every rank as a list of lists, handed to `fn.failed(kind, x, out, group,
+// name, headers)`, the general path's check, which raises what is wrong (every rank sees
+// the same); nullptr.
+PyObject* disagreed(const Carried& c, Py_ssize_t n, PyObject* kind, PyObject* x, PyObject* given, PyObject* group,
+                    PyObject* name) {
+    Ref headers(PyList_New(n));
+    for (Py_ssize_t r = 0; headers && r < n; ++r) {
+        PyObject* row = PyList_New(static_cast<Py_ssize_t>(c.words));
+        PyList_SET_ITEM(headers.get(), r, row);
+        for (size_t i = 0; row && i < c.words; ++i) {
+            PyObject* item = PyLong_FromLongLong(c.header(static_cast<size_t>(r))[i]);
+            if (!item) row = nullptr;
+            else PyList_SET_ITEM(row, static_cast<Py_ssize_t>(i), item);
+        }
+        if (!row) headers.reset(nullptr);
+    }
+    if (!headers) return nullptr;
+    PyObject* args[] = {kind, x, given, group, name, headers.get()};
+    Ref raised(PyObject_Vectorcall(fn.failed, args, 6, nullptr));
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "%U: the ranks' tensors disagree", kind);
+    return nullptr;
+}
 
 }  // namespace
 
@@ -560,7 +658,7 @@ bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
-        {&s.ranks, "ranks"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
+        {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
         {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
     };
@@ -573,19 +671,19 @@ bool init(PyObject* module) {
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
-                                     "new_counts", "gather_failed", "alltoall_failed", "views", "staging", "alone_bytes", "cached_piece", "mpi_error",
+                                     "new_counts", "failed", "views", "staging", "alone_bytes", "cached_piece", "mpi_error",
                                      "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOOnnOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOnnOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.huge_paged, &f.new_counts, &f.gather_failed, &f.alltoall_failed, &f.views, &f.staging,
+                                     &f.huge_paged, &f.new_counts, &f.failed, &f.views, &f.staging,
                                      &f.alone_bytes, &f.cached_piece, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
     if (!f.kinds || !f.routes) return nullptr;
     for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.new_counts,
-                           f.gather_failed, f.alltoall_failed, f.views, f.staging, f.mpi_error})
+                           f.failed, f.views, f.staging, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
     f.ready = true;
     fn = f;
@@ -609,20 +707,24 @@ PyObject* configure(PyObject*, PyObject* args) {
 }
 
 PyObject* bind(PyObject*, PyObject* args) {
-    PyObject *gate, *handle = nullptr;
+    PyObject *gate, *handle = nullptr, *world_group = nullptr;
     Py_ssize_t size = 0;
-    if (!PyArg_ParseTuple(args, "O|On:short_path_bind", &gate, &handle, &size)) return nullptr;
+    if (!PyArg_ParseTuple(args, "O|OnO:short_path_bind", &gate, &handle, &size, &world_group)) return nullptr;
     if (gate == Py_None) {
         Py_CLEAR(world.gate);
         Py_CLEAR(last_group.group);  // its handle is being freed
         Py_RETURN_NONE;
     }
     intptr_t comm;
-    if (!PyObject_TypeCheck(gate, &gate_type) || !handle || !as_ptr(handle, comm) || size <= 0) {
+    int64_t* carry = nullptr;
+    if (!PyObject_TypeCheck(gate, &gate_type) || !handle || !as_ptr(handle, comm) || size <= 0 || !world_group ||
+        !carry_of(world_group, carry)) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "short_path_bind(gate, world_handle, world_size) or short_path_bind(None)");
+            PyErr_SetString(PyExc_TypeError,
+                            "short_path_bind(gate, world_handle, world_size, world_group) or short_path_bind(None)");
         return nullptr;
     }
+    world.carry = carry;
     Py_XSETREF(world.gate, reinterpret_cast<Gate*>(Py_NewRef(gate)));
     world.comm = comm;
     world.size = size;
@@ -699,7 +801,8 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Target t;
     if (!target_of(group, t)) return nullptr;
     const long root = PyLong_AsLong(root_arg);
-    if (root < 0 || root >= t.size || !fits(in.nbytes)) {
+    const Py_ssize_t count = in.nbytes / route->itemsize;
+    if (root < 0 || root >= t.size || count > (Py_ssize_t{1} << 30)) {  // the general path's one piece
         PyErr_Clear();
         Py_RETURN_NONE;  // the general path says what is wrong, or goes in pieces
     }
@@ -721,10 +824,17 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Paced paced(link);
     if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
-    const int nbytes = static_cast<int>(in.nbytes), r = static_cast<int>(root);
-    if (!without_gil([&] { return mpi::bcast(data, nbytes, fn.byte, r, t.comm); })) return nullptr;
+    const int n = static_cast<int>(count), r = static_cast<int>(root);
+    const intptr_t datatype = route->datatype;  // typed, as the general path and mpi4py send it
+    if (!without_gil([&] { return mpi::bcast(data, n, datatype, r, t.comm); })) return nullptr;
     ++runs;
     return paced.end() ? out.release() : nullptr;
+}
+
+// reduce_scatter's signature: what its ranks compare (dtype, op, the shape of a row).
+int64_t reduce_signature(const Rows& a) {
+    const std::string what = a.route->name + "/" + (a.route->average ? "average" : kOpNames[int(a.route->reduce)]);
+    return static_cast<int64_t>(signature(what, a.dims.data() + 1, a.dims.size() - 1));
 }
 
 PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -735,39 +845,56 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     if (int read = read_rows(x, op, group, true, a)) return left(read);
     const Target& t = a.t;
     const Route& route = *a.route;
-    const int64_t row_count = a.row_bytes / route.itemsize;
-    std::vector<int> counts(static_cast<size_t>(t.size));
-    for (Py_ssize_t r = 0; r < t.size; ++r) {
-        const int64_t n = rows_of_rank(a.rows, t.size, r) * row_count;
-        if (!fits(n)) Py_RETURN_NONE;
-        counts[r] = static_cast<int>(n);
-    }
+    const size_t n = static_cast<size_t>(t.size);
     const int rank = rank_in(t);
     if (rank < 0 || rank >= t.size) Py_RETURN_NONE;
-    const int64_t mine = rows_of_rank(a.rows, t.size, rank);
-    Ref out;
-    Host result;
-    if (given == Py_None) {
-        out.reset(new_result(x, mine, a.dims, route.itemsize, result));
-        if (!out) return nullptr;
-    } else {
-        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
-        if (result.nbytes != mine * a.row_bytes) Py_RETURN_NONE;
-        out.reset(Py_NewRef(given));
+    std::vector<int64_t> parts(n);
+    for (size_t r = 0; r < n; ++r) {
+        parts[r] = rows_of_rank(a.rows, t.size, static_cast<Py_ssize_t>(r)) * a.row_bytes;
+        if (!fits(parts[r] / route.itemsize)) Py_RETURN_NONE;  // the general path refuses it
     }
+    Host result;
+    if (given != Py_None)
+        if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
+    // What the general path sends too: its largest part, signature, out='s size, rows.
+    const std::vector<int64_t> header = {parts[0], reduce_signature(a), given == Py_None ? -1 : result.nbytes, a.rows};
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     Paced paced(link);
     if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
+    Carried c;
+    if (!without_gil([&] { return exchange(kReduceScatter, t, header, static_cast<const char*>(a.in.ptr), parts, c); }))
+        return nullptr;
+    bool agreed = true;
+    for (size_t r = 0; r < n; ++r) {
+        const int64_t* h = c.header(r);
+        const int64_t wanted = rows_of_rank(a.rows, t.size, static_cast<Py_ssize_t>(r)) * a.row_bytes;
+        agreed &= h[1] == header[1] && h[3] == a.rows && (h[2] < 0 || h[2] == wanted);
+    }
+    if (!agreed) return disagreed(c, t.size, s.reduce_scatter, x, given, group, name);
+    Ref out;
+    if (given == Py_None) {
+        out.reset(new_result(x, rows_of_rank(a.rows, t.size, rank), a.dims, route.itemsize, result));
+        if (!out) return nullptr;
+    } else {
+        out.reset(Py_NewRef(given));
+    }
+    std::vector<int> counts(n);
+    for (size_t r = 0; r < n; ++r) counts[r] = static_cast<int>(parts[r] / route.itemsize);
     // MPI's own even call where every rank's part is the same (the rule of the general path)
-    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int k) { return k == counts[0]; });
+    char* mine = static_cast<char*>(result.ptr);
     if (!without_gil([&] {
-            return even ? mpi::reduce_scatter_block(a.in.ptr, result.ptr, counts[0], route.datatype, route.op, t.comm)
-                        : mpi::reduce_scatter(a.in.ptr, result.ptr, counts.data(), route.datatype, route.op, t.comm);
+            if (c.complete) {
+                reduce(c, n, mine, static_cast<size_t>(counts[rank]), route);
+                return 0;
+            }
+            return even ? mpi::reduce_scatter_block(a.in.ptr, mine, counts[0], route.datatype, route.op, t.comm)
+                        : mpi::reduce_scatter(a.in.ptr, mine, counts.data(), route.datatype, route.op, t.comm);
         }))
         return nullptr;
     ++runs;
-    scale(result.ptr, counts[rank], route, t.size);
+    scale(mine, counts[rank], route, t.size);
     return paced.end() ? out.release() : nullptr;
 }
 
@@ -783,30 +910,32 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
     if (!fits(a.in.nbytes)) Py_RETURN_NONE;
     const size_t rest = a.dims.empty() ? 0 : 1;
-    // What the general path exchanges too: rows, what a row is, out='s size (-1: none).
-    const int64_t meta[3] = {a.rows,
-                             static_cast<int64_t>(signature(a.route->name, a.dims.data() + rest, a.dims.size() - rest)),
-                             given == Py_None ? -1 : result.nbytes};
-    std::vector<int64_t> gathered(static_cast<size_t>(3 * t.size));
+    // What the general path sends too: its part, what a row is, out='s size, rows.
+    const std::vector<int64_t> header = {
+        a.in.nbytes, static_cast<int64_t>(signature(a.route->name, a.dims.data() + rest, a.dims.size() - rest)),
+        given == Py_None ? -1 : result.nbytes, a.rows};
     Token token(name, s.allgather);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     Paced paced(link);
     if (!paced.begin(s.allgather, group, a.in.nbytes)) return nullptr;
-    if (!without_gil([&] { return mpi::allgather(meta, 3, fn.int64, gathered.data(), 3, fn.int64, t.comm); }))
+    Carried c;
+    if (!without_gil([&] {
+            return exchange(kAllgather, t, header, static_cast<const char*>(a.in.ptr), {a.in.nbytes}, c);
+        }))
         return nullptr;
     std::vector<int> counts(static_cast<size_t>(t.size)), displs(counts.size());
     int64_t total = 0, total_rows = 0;
     bool agreed = true;
     for (size_t r = 0; r < counts.size(); ++r) {
-        const int64_t nbytes = gathered[3 * r] * a.row_bytes;
-        agreed &= gathered[3 * r + 1] == meta[1] && fits(nbytes) && fits(total);
+        const int64_t nbytes = c.header(r)[3] * a.row_bytes;
+        agreed &= c.header(r)[1] == header[1] && fits(nbytes) && fits(total);
         counts[r] = static_cast<int>(nbytes);
         displs[r] = static_cast<int>(total);
         total += nbytes;
-        total_rows += gathered[3 * r];
+        total_rows += c.header(r)[3];
     }
-    for (size_t r = 0; r < counts.size(); ++r) agreed &= gathered[3 * r + 2] < 0 || gathered[3 * r + 2] == total;
-    if (!agreed) return disagreed(fn.gather_failed, gathered, x, given, group, name, "allgather");
+    for (size_t r = 0; r < counts.size(); ++r) agreed &= c.header(r)[2] < 0 || c.header(r)[2] == total;
+    if (!agreed) return disagreed(c, t.size, s.allgather, x, given, group, name);
     Ref out;
     if (given == Py_None) {
         out.reset(new_result(x, total_rows, a.dims.empty() ? std::vector<int64_t>{1} : a.dims, a.route->itemsize,
@@ -816,12 +945,16 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(Py_NewRef(given));
     }
     const int nbytes = static_cast<int>(a.in.nbytes);
-    const bool even = std::all_of(counts.begin(), counts.end(), [&](int c) { return c == counts[0]; });
+    const bool even = std::all_of(counts.begin(), counts.end(), [&](int k) { return k == counts[0]; });
+    char* into = static_cast<char*>(result.ptr);
     if (!without_gil([&] {
+            if (c.complete) {
+                unpack(c, into, counts);
+                return 0;
+            }
             if (even)  // MPI's own even call where every rank's part is the same (the general path's rule)
-                return mpi::allgather(a.in.ptr, nbytes, fn.byte, result.ptr, nbytes, fn.byte, t.comm);
-            return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, result.ptr, counts.data(), displs.data(), fn.byte,
-                                   t.comm);
+                return mpi::allgather(a.in.ptr, nbytes, fn.byte, into, nbytes, fn.byte, t.comm);
+            return mpi::allgatherv(a.in.ptr, nbytes, fn.byte, into, counts.data(), displs.data(), fn.byte, t.comm);
         }))
         return nullptr;
     ++runs;
@@ -858,14 +991,22 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const Target& t = a.t;
     const int64_t row_bytes = a.row_bytes;
     const size_t n = static_cast<size_t>(t.size);
-    // What the general path exchanges too: this rank's splits, then out='s size (-1: none).
-    std::vector<int64_t> meta;
-    if (!parse_splits(splits, t.size, a.rows, meta)) Py_RETURN_NONE;
+    std::vector<int64_t> sent;
+    if (!parse_splits(splits, t.size, a.rows, sent)) Py_RETURN_NONE;
     Host result;
     if (given != Py_None)
         if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
-    meta.push_back(given == Py_None ? -1 : result.nbytes);
     const int rank = rank_in(t);
+    if (rank < 0 || static_cast<size_t>(rank) >= n) Py_RETURN_NONE;
+    // What the general path sends too: its largest part, what a row is, out='s size, splits.
+    std::vector<int64_t> parts(n), header = {0, static_cast<int64_t>(signature(a.route->name, a.dims.data() + 1,
+                                                                                a.dims.size() - 1)),
+                                             given == Py_None ? -1 : result.nbytes};
+    for (size_t d = 0; d < n; ++d) {
+        parts[d] = sent[d] * row_bytes;
+        header[0] = std::max(header[0], parts[d]);
+        header.push_back(sent[d]);
+    }
     Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
     Host got;
     if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
@@ -873,40 +1014,36 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         return nullptr;
     }
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
-    std::vector<int64_t> gathered(n * (n + 1));
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     Paced paced(link);
     if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
-    if (!without_gil([&] {
-            return mpi::allgather(meta.data(), static_cast<int>(n + 1), fn.int64, gathered.data(),
-                                  static_cast<int>(n + 1), fn.int64, t.comm);
-        }))
+    Carried c;
+    if (!without_gil([&] { return exchange(kAlltoall, t, header, static_cast<const char*>(a.in.ptr), parts, c); }))
         return nullptr;
-    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
-    int64_t sent_total = 0, recv_total = 0, recv_rows = 0;
-    bool agreed = rank >= 0 && static_cast<size_t>(rank) < n, even = true;
+    bool agreed = true, even = true;
     for (size_t d = 0; d < n; ++d) {  // every rank's receipt, and its out='s size
         int64_t rows = 0;
         for (size_t r = 0; r < n; ++r) {
-            const int64_t part = gathered[r * (n + 1) + d] * row_bytes;
-            agreed &= fits(part);
-            even &= gathered[r * (n + 1) + d] == gathered[0];  // rows, as the general path compares
-            rows += gathered[r * (n + 1) + d];
+            const int64_t part = c.header(r)[3 + d];
+            agreed &= fits(part * row_bytes);
+            even &= part == c.header(0)[3];  // rows, as the general path compares
+            rows += part;
         }
-        const int64_t wanted = gathered[d * (n + 1) + n];
-        agreed &= fits(rows * row_bytes) && (wanted < 0 || wanted == rows * row_bytes);
+        const int64_t wanted = c.header(d)[2];
+        agreed &= c.header(d)[1] == header[1] && fits(rows * row_bytes) && (wanted < 0 || wanted == rows * row_bytes);
     }
-    if (!agreed) return disagreed(fn.alltoall_failed, gathered, x, given, group, name, "alltoall");
+    if (!agreed) return disagreed(c, t.size, s.alltoall, x, given, group, name);
+    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
+    int64_t sent_total = 0, recv_total = 0, recv_rows = 0;
     for (size_t r = 0; r < n; ++r) {
-        const int64_t s_bytes = meta[r] * row_bytes, r_bytes = gathered[r * (n + 1) + rank] * row_bytes;
-        recv_splits[r] = gathered[r * (n + 1) + rank];
-        scounts[r] = static_cast<int>(s_bytes);
+        recv_splits[r] = c.header(r)[3 + rank];
+        scounts[r] = static_cast<int>(parts[r]);
         sdispls[r] = static_cast<int>(sent_total);
-        rcounts[r] = static_cast<int>(r_bytes);
+        rcounts[r] = static_cast<int>(recv_splits[r] * row_bytes);
         rdispls[r] = static_cast<int>(recv_total);
-        sent_total += s_bytes;
-        recv_total += r_bytes;
+        sent_total += parts[r];
+        recv_total += rcounts[r];
         recv_rows += recv_splits[r];
     }
     Ref out;
@@ -916,15 +1053,57 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     } else {
         out.reset(Py_NewRef(given));
     }
+    char* into = static_cast<char*>(result.ptr);
     if (!without_gil([&] {
+            if (c.complete) {
+                unpack(c, into, rcounts);
+                return 0;
+            }
             if (even)  // MPI's own even call where every part is the same (the general path's rule)
-                return mpi::alltoall(a.in.ptr, scounts[0], fn.byte, result.ptr, rcounts[0], fn.byte, t.comm);
-            return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, result.ptr, rcounts.data(),
+                return mpi::alltoall(a.in.ptr, scounts[0], fn.byte, into, rcounts[0], fn.byte, t.comm);
+            return mpi::alltoallv(a.in.ptr, scounts.data(), sdispls.data(), fn.byte, into, rcounts.data(),
                                   rdispls.data(), fn.byte, t.comm);
         }))
         return nullptr;
     ++runs;
     return paced.end() ? PyTuple_Pack(2, out.get(), received.get()) : nullptr;
+}
+
+// carried_exchange(kind, group, header, send, parts) -> (blocks, complete): exchange() for
+// the general path, on host memory at address `send`; blocks: every rank's block as int64s
+// (reshape to (ranks, -1): the first len(header) of each are its header, its part follows).
+PyObject* carried_exchange(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+    if (!takes(nargs, 5, "carried_exchange(kind, group, header, send, parts)")) return nullptr;
+    const long kind = PyLong_AsLong(args[0]);
+    if (kind < 0 || kind >= kKinds) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "carried_exchange: kind is 0, 1 or 2");
+        return nullptr;
+    }
+    Target t;
+    if (!fn.ready || !mpi::bound()) {
+        PyErr_SetString(PyExc_RuntimeError, "carried_exchange needs short_path_setup and MPI found (mpi_bind)");
+        return nullptr;
+    }
+    if (!target_of(args[1], t)) return nullptr;
+    std::vector<int64_t> header, parts;
+    for (auto [list, into] : {std::pair{args[2], &header}, std::pair{args[4], &parts}}) {
+        Ref seq(PySequence_Fast(list, "carried_exchange: header and parts are lists of ints"));
+        if (!seq) return nullptr;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.get()); ++i) {
+            into->push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq.get(), i)));
+            if (PyErr_Occurred()) return nullptr;
+        }
+    }
+    const auto* send = static_cast<const char*>(PyLong_AsVoidPtr(args[3]));
+    if (PyErr_Occurred()) return nullptr;
+    Carried c;
+    if (!without_gil([&] { return exchange(static_cast<Kind>(kind), t, header, send, parts, c); })) return nullptr;
+    const size_t words = static_cast<size_t>(t.size) * c.block / 8;
+    Ref blocks(PyObject_CallFunction(fn.new_counts, "n", static_cast<Py_ssize_t>(words)));
+    Host h;
+    if (!blocks || read_host(blocks.get(), true, h) != 0) return nullptr;
+    std::memcpy(h.ptr, c.got, 8 * words);
+    return Py_BuildValue("(OO)", blocks.get(), c.complete ? Py_True : Py_False);
 }
 
 // A list of writable, contiguous host tensors of one class and dtype, read as one is.

@@ -15,13 +15,14 @@ namespace pycoll::short_path {
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
 // short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
-// gather_failed, alltoall_failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
+// failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
 // short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): given again whenever the
 // settings change; enter/leave pace each collective under --link (pycoll.emulation).
 PyObject* configure(PyObject*, PyObject* args);
-// short_path_bind(gate, world_handle, world_size) at init; short_path_bind(None) at shutdown.
+// short_path_bind(gate, world_handle, world_size, world_group) at init (the world Group: its
+// `carry`); short_path_bind(None) at shutdown.
 PyObject* bind(PyObject*, PyObject* args);
 // Each collective's short path: its result (as the public function returns it), or None
 // where the short path does not apply and the general path must run it.
@@ -35,6 +36,10 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // alltoall_now(x, splits, out, group, name) -> (result, received splits)
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+// carried_exchange(kind, group, header, send, parts) -> (blocks, complete): the agreement
+// allgather (kind 0), alltoall (1) and reduce_scatter (2) make with their data, for the
+// general path (short_path.cpp: exchange()).
+PyObject* carried_exchange(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // grouped_allreduce_now(xs, inplace, op, group, name) -> the list of results
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // row_signature(dtype, row_shape) -> int: what allgather's ranks compare (both paths).

@@ -405,6 +405,29 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
     return name, run
 
 
+# allgather, alltoall and reduce_scatter send every rank's sizes with their data, in one
+# exchange (_C.carried_exchange; the rule is csrc/short_path.cpp's exchange()), and then
+# move in a second round what did not fit. These are its kinds and the header's words:
+# [largest part in bytes, signature, out='s bytes or -1, sizes...].
+_ALLGATHER, _ALLTOALL, _REDUCE_SCATTER = 0, 1, 2
+_SIZES = 3
+
+
+def _exchange(kind: int, grp: runtime.Group, header: List[int], send: int, parts: List[int]):
+    """(every rank's header, every rank's carried part as uint8 rows or None where a
+    second round must move the data)."""
+    blocks, complete = _C.carried_exchange(kind, grp, header, send, parts)
+    blocks = blocks.reshape(grp.size(), -1)
+    return blocks[:, :len(header)].tolist(), blocks[:, len(header):].view(np.uint8) if complete else None
+
+
+def _unpack(carried, dst: int, counts: Sequence[int]) -> None:
+    """The carried parts, ``counts[r]`` bytes from rank r, back to back at ``dst``."""
+    into = np.frombuffer(MPI.buffer.fromaddress(dst, sum(counts)), np.uint8)
+    for part, begin, count in zip(carried, _displacements(counts), counts):
+        into[begin:begin + count] = part[:count]
+
+
 def _plan_allgather(x, group, name, out=None):
     grp = runtime.resolve(group)
     src = as_buffer(x)
@@ -415,33 +438,34 @@ def _plan_allgather(x, group, name, out=None):
         rows = src.shape[0] if src.shape else 1
         row_shape = tuple(src.shape[1:])
         grp.agree("allgather", name, dtype=src.dtype, row_shape=row_shape)
-        # One int64 Allgather (not a pickled one): rows, what the rows are, out='s size.
-        meta = np.array([rows, _C.row_signature(src.dtype, row_shape),
-                         -1 if given is None else given.nbytes], np.int64)
-        gathered = np.empty((grp.size(), 3), np.int64)
-        grp.comm.Allgather([meta, MPI.INT64_T], [gathered, MPI.INT64_T])
-        counts = _allgather_counts(name, grp, src, gathered.tolist())
-        result = out if given is not None else tensors.empty_like(
-            x, (int(gathered[:, 0].sum()),) + row_shape)
-        dst = given or as_buffer(result, writable=True)
-        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            if len(set(counts)) == 1:       # every rank's the same (all see them): MPI's even call
-                grp.comm.Allgather(message(s, src.nbytes),
-                                   [MPI.buffer.fromaddress(d, dst.nbytes), counts[0], MPI.BYTE])
-            else:
-                grp.comm.Allgatherv(message(s, src.nbytes),
-                                    [MPI.buffer.fromaddress(d, dst.nbytes), counts,
-                                     _displacements(counts), MPI.BYTE])
+        header = [src.nbytes, _C.row_signature(src.dtype, row_shape),
+                  -1 if given is None else given.nbytes, rows]
+        with _host(src) as s:
+            headers, carried = _exchange(_ALLGATHER, grp, header, s, [src.nbytes])
+            counts = _allgather_counts(name, grp, src, headers)
+            result = out if given is not None else tensors.empty_like(
+                x, (sum(h[_SIZES] for h in headers),) + row_shape)
+            dst = given or as_buffer(result, writable=True)
+            with _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
+                if carried is not None:
+                    _unpack(carried, d, counts)
+                elif len(set(counts)) == 1:     # every rank's the same (all see them): MPI's even call
+                    grp.comm.Allgather(message(s, src.nbytes),
+                                       [MPI.buffer.fromaddress(d, dst.nbytes), counts[0], MPI.BYTE])
+                else:
+                    grp.comm.Allgatherv(message(s, src.nbytes),
+                                        [MPI.buffer.fromaddress(d, dst.nbytes), counts,
+                                         _displacements(counts), MPI.BYTE])
         return result
     return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
 
-def _allgather_counts(name: str, grp: runtime.Group, src: Buffer, gathered) -> List[int]:
-    """Each rank's bytes, from the (rows, row signature, out='s bytes or -1) that every
-    rank sent; raises, on every rank (all see the same), where the ranks' rows differ in
-    dtype or shape, an out= has the wrong size or a part is beyond MPI's counts."""
+def _allgather_counts(name: str, grp: runtime.Group, src: Buffer, headers) -> List[int]:
+    """Each rank's bytes, from every rank's header; raises, on every rank (all see the
+    same), where the ranks' rows differ in dtype or shape, an out= has the wrong size or a
+    part is beyond MPI's counts."""
     rows, row_shape = (src.shape[0] if src.shape else 1), tuple(src.shape[1:])
-    all_rows, signatures, out_bytes = zip(*gathered)
+    _, signatures, out_bytes, all_rows = zip(*headers)
     if len(set(signatures)) > 1:
         found = grp.comm.allgather((rows, row_shape, src.dtype))
         raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
@@ -457,11 +481,17 @@ def _allgather_counts(name: str, grp: runtime.Group, src: Buffer, gathered) -> L
     return counts
 
 
-def _allgather_failed(x, out, group, name, meta) -> None:
-    """The short path's allgather found the ranks' (flat) ``meta`` in disagreement: the
-    general path's error."""
-    _allgather_counts(name or "allgather", runtime.resolve(group), as_buffer(x),
-                      list(zip(*[iter(meta)] * 3)))
+def _disagreed(kind: str, x, out, group, name, headers) -> None:
+    """The short path's exchange found the ranks' ``headers`` in disagreement: the general
+    path's error for ``kind``."""
+    grp, src = runtime.resolve(group), as_buffer(x)
+    name = name or kind
+    if kind == "allgather":
+        _allgather_counts(name, grp, src, headers)
+    elif kind == "alltoall":
+        _alltoall_received(name, grp, src, headers)
+    else:
+        _reduce_scatter_agreed(name, grp, src, headers)
 
 
 def _output(out, dtype: str, what: str) -> Buffer:
@@ -490,8 +520,10 @@ def _plan_broadcast(x, root, group, name, inplace):
     def run():
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
         with _host(dst, read=grp.rank() == root, write=True) as d, timeline.phase("in MPI"):
-            for offset, nbytes in _pieces(dst.nbytes, 1):
-                grp.comm.Bcast(message(d + offset, nbytes), root=root)
+            # typed, as mpi4py sends an array (MPI_BYTE x 4n took 1.20x mpi4py's MPI_FLOAT
+            # x n at 64 MiB, 2 ranks)
+            for offset, nbytes in _pieces(dst.nbytes, ITEMSIZE[dst.dtype]):
+                grp.comm.Bcast(message(d + offset, nbytes, dst.dtype), root=root)
         return out
     return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
 
@@ -509,15 +541,10 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         raise ValueError("reduce_scatter splits dim 0 across ranks; got a 0-d tensor")
     rows = _split_rows(src.shape[0], grp.size())
     shape = (rows[grp.rank()],) + tuple(src.shape[1:])
-    if out is None:
-        out = tensors.empty_like(x, shape)
-        dst = as_buffer(out, writable=True)
-    else:
-        dst = _output(out, src.dtype, "reduce_scatter")
-        if dst.nbytes != math.prod(shape) * ITEMSIZE[src.dtype]:
-            raise ValueError(f"reduce_scatter: out= must hold this rank's block, {shape}; "
-                             f"got {tuple(dst.shape)}")
+    # A wrong out= is found by every rank, in the exchange: not here, on this rank alone.
+    given = None if out is None else _output(out, src.dtype, "reduce_scatter")
     row_count = src.count // src.shape[0] if src.shape[0] else 0
+    itemsize = ITEMSIZE[src.dtype]
 
     name = name or "reduce_scatter"
 
@@ -525,19 +552,50 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         grp.agree("reduce_scatter", name, dtype=src.dtype, shape=src.shape, op=op.value)
         counts = [r * row_count for r in rows]
         _check_counts(name, counts, "elements")
-        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            if len(set(counts)) == 1:       # every rank's the same: MPI's even call
-                grp.comm.Reduce_scatter_block(      # mpi4py's send count: one block's
-                    [MPI.buffer.fromaddress(s, src.nbytes), counts[0], _MPI_TYPES[src.dtype]],
-                    message(d, dst.nbytes, dst.dtype), mpi_op(op, src.dtype))
-            else:
-                grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
-                                        message(d, dst.nbytes, dst.dtype), counts,
-                                        mpi_op(op, src.dtype))
-            if op is Average:
-                _scale(dst, d, dst.count, 1.0 / grp.size())
-        return out
+        parts = [c * itemsize for c in counts]
+        header = [max(parts), _C.row_signature(f"{src.dtype}/{op.value}", src.shape[1:]),
+                  -1 if given is None else given.nbytes, src.shape[0]]
+        with _host(src) as s:
+            headers, carried = _exchange(_REDUCE_SCATTER, grp, header, s, parts)
+            _reduce_scatter_agreed(name, grp, src, headers)
+            result = out if given is not None else tensors.empty_like(x, shape)
+            dst = given or as_buffer(result, writable=True)
+            with _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
+                if carried is not None:     # every rank's part for this one: reduced here
+                    _unpack(carried[:1], d, [dst.nbytes])
+                    for part in carried[1:]:
+                        _C.reduce(d, part.ctypes.data, dst.count, src.dtype, kernel_op(op))
+                elif len(set(counts)) == 1:     # every rank's the same: MPI's even call
+                    grp.comm.Reduce_scatter_block(      # mpi4py's send count: one block's
+                        [MPI.buffer.fromaddress(s, src.nbytes), counts[0], _MPI_TYPES[src.dtype]],
+                        message(d, dst.nbytes, dst.dtype), mpi_op(op, src.dtype))
+                else:
+                    grp.comm.Reduce_scatter(message(s, src.nbytes, src.dtype),
+                                            message(d, dst.nbytes, dst.dtype), counts,
+                                            mpi_op(op, src.dtype))
+                if op is Average:
+                    _scale(dst, d, dst.count, 1.0 / grp.size())
+        return result
     return name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
+
+
+def _reduce_scatter_agreed(name: str, grp: runtime.Group, src: Buffer, headers) -> None:
+    """Raises, on every rank (all see the same headers), where the ranks' tensors differ
+    in rows, dtype, op or the shape of a row, or an out= is not its rank's block."""
+    _, signatures, out_bytes, all_rows = zip(*headers)
+    if len(set(signatures)) > 1 or len(set(all_rows)) > 1:
+        found = grp.comm.allgather((tuple(src.shape), src.dtype))
+        raise ValueError(f"{name}: every rank's tensor must have the same shape and dtype, "
+                         f"and the same op; rank: (shape, dtype) = {dict(enumerate(found))} "
+                         f"(the op may differ too)")
+    row_bytes = math.prod(src.shape[1:]) * ITEMSIZE[src.dtype]
+    wanted = [r * row_bytes for r in _split_rows(all_rows[0], len(headers))]
+    wrong = {r: (wanted[r], nbytes) for r, nbytes in enumerate(out_bytes)
+             if nbytes >= 0 and nbytes != wanted[r]}
+    if wrong:
+        raise ValueError(f"{name}: out= must hold this rank's block of rows (of shape "
+                         f"{tuple(src.shape[1:])}); rank: (bytes needed, bytes of its out=) = "
+                         f"{wrong}; pass out= of that size, or none for a new tensor")
 
 
 def _plan_alltoall(x, splits, group, name, out=None):
@@ -556,64 +614,62 @@ def _plan_alltoall(x, splits, group, name, out=None):
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {sent}")
     given = None if out is None else _output(out, src.dtype, "alltoall")
-    # One int64 Allgather: every rank's splits and out='s size (-1: none), so that each
-    # rank knows what every rank receives and a wrong out= raises on all of them.
-    meta = np.array([int(r) for r in sent] + [-1 if given is None else given.nbytes], np.int64)
     row_shape = tuple(src.shape[1:])
     row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
+    send_counts = [int(r) * row_bytes for r in sent]
+    # Every rank sends its splits and out='s size, so that each knows what every rank
+    # receives and a wrong out= raises on all of them.
+    header = [max(send_counts), _C.row_signature(src.dtype, row_shape),
+              -1 if given is None else given.nbytes] + [int(r) for r in sent]
 
     name = name or "alltoall"
 
     def run():
         grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
-        gathered = np.empty((n, n + 1), np.int64)
-        grp.comm.Allgather([meta, MPI.INT64_T], [gathered, MPI.INT64_T])
-        recv_splits = gathered[:, grp.rank()].copy()
-        received = _alltoall_received(name, gathered.tolist(), grp.rank(), row_bytes, row_shape)
-        result = out if given is not None else tensors.empty_like(x, (sum(received),) + row_shape)
-        dst = given or as_buffer(result, writable=True)
-        send_counts = [r * row_bytes for r in meta[:n].tolist()]
-        recv_counts = [r * row_bytes for r in received]
-        with _host(src) as s, _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
-            if (gathered[:, :n] == gathered[0, 0]).all():     # every part the same, on every rank
-                # MPI's own even call (the short path makes the same choice)
-                grp.comm.Alltoall([MPI.buffer.fromaddress(s, src.nbytes), send_counts[0], MPI.BYTE],
-                                  [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts[0], MPI.BYTE])
-            else:
-                grp.comm.Alltoallv(
-                    [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
-                     _displacements(send_counts), MPI.BYTE],
-                    [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
-                     _displacements(recv_counts), MPI.BYTE])
+        with _host(src) as s:
+            headers, carried = _exchange(_ALLTOALL, grp, header, s, send_counts)
+            received = _alltoall_received(name, grp, src, headers)
+            recv_splits = np.array(received, np.int64)
+            result = out if given is not None else tensors.empty_like(x, (sum(received),) + row_shape)
+            dst = given or as_buffer(result, writable=True)
+            recv_counts = [r * row_bytes for r in received]
+            with _host(dst, read=False, write=True) as d, timeline.phase("in MPI"):
+                if carried is not None:
+                    _unpack(carried, d, recv_counts)
+                elif len({r for h in headers for r in h[_SIZES:]}) == 1:    # every part the same
+                    # MPI's own even call (the short path makes the same choice)
+                    grp.comm.Alltoall([MPI.buffer.fromaddress(s, src.nbytes), send_counts[0], MPI.BYTE],
+                                      [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts[0], MPI.BYTE])
+                else:
+                    grp.comm.Alltoallv(
+                        [MPI.buffer.fromaddress(s, src.nbytes), send_counts,
+                         _displacements(send_counts), MPI.BYTE],
+                        [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
+                         _displacements(recv_counts), MPI.BYTE])
         return result, recv_splits
     return name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
 
 
-def _alltoall_received(name: str, gathered, rank: int, row_bytes: int, row_shape) -> List[int]:
-    """This rank's received rows from each rank, out of every rank's (splits..., out='s
-    bytes or -1); raises, on every rank (all see the same), where an out= has the wrong
-    size or a part is beyond MPI's counts."""
-    n = len(gathered)
-    rank_rows = [sum(row[d] for row in gathered) for d in range(n)]
-    wrong = [d for d, row in enumerate(gathered) if 0 <= row[n] != rank_rows[d] * row_bytes]
+def _alltoall_received(name: str, grp: runtime.Group, src: Buffer, headers) -> List[int]:
+    """This rank's received rows from each rank, out of every rank's header; raises, on
+    every rank (all see the same), where the ranks' rows differ in dtype or shape, an out=
+    has the wrong size or a part is beyond MPI's counts."""
+    n, row_shape = len(headers), tuple(src.shape[1:])
+    if len({h[1] for h in headers}) > 1:
+        found = grp.comm.allgather((row_shape, src.dtype))
+        raise ValueError(f"{name}: tensors must agree in dtype and in every dim but the "
+                         f"first; rank: (other dims, dtype) = {dict(enumerate(found))}")
+    row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
+    rank_rows = [sum(h[_SIZES + d] for h in headers) for d in range(n)]
+    wrong = [d for d, h in enumerate(headers) if 0 <= h[2] != rank_rows[d] * row_bytes]
     if wrong:
-        found = {d: (rank_rows[d], rank_rows[d] * row_bytes, gathered[d][n]) for d in wrong}
+        found = {d: (rank_rows[d], rank_rows[d] * row_bytes, headers[d][2]) for d in wrong}
         raise ValueError(f"{name}: out= must hold the rows each rank receives (rows of shape "
                          f"{row_shape}); rank: (rows received, bytes needed, bytes of its out=) "
                          f"= {found}; pass out= of that size, or none for a new tensor")
-    _check_counts(name, [r * row_bytes for row in gathered for r in row[:n]]
+    _check_counts(name, [r * row_bytes for h in headers for r in h[_SIZES:]]
                   + [r * row_bytes for r in rank_rows], "bytes")
-    return [row[rank] for row in gathered]
-
-
-def _alltoall_failed(x, out, group, name, meta) -> None:
-    """The short path's alltoall found an out= of the wrong size, or a part beyond MPI's
-    counts, in the ranks' (flat) ``meta``: the general path's error."""
-    grp, src = runtime.resolve(group), as_buffer(x)
-    row_shape = tuple(src.shape[1:])
-    _alltoall_received(name or "alltoall", [meta[i:i + grp.size() + 1] for i in
-                                            range(0, len(meta), grp.size() + 1)],
-                       grp.rank(), math.prod(row_shape) * ITEMSIZE[src.dtype], row_shape)
+    return [h[_SIZES + grp.rank()] for h in headers]
 
 
 def _plan_barrier(group, name):
@@ -635,8 +691,7 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
                     new_counts=functools.partial(np.empty, dtype=np.int64),
-                    gather_failed=_allgather_failed,
-                    alltoall_failed=_alltoall_failed, views=tensors.views_of,
+                    failed=_disagreed, views=tensors.views_of,
                     staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, cached_piece=_CACHED_PIECE,
                     mpi_error=MPI.Exception,

@@ -5,6 +5,8 @@ import os
 import weakref
 from typing import Iterable, Optional
 
+import numpy as np
+
 from . import _C, config, hetero, timeline
 from .engine import Engine
 from .inspector import Checker
@@ -22,6 +24,9 @@ class Group:
         self.ranks = ranks
         self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
+        # allgather's, alltoall's and reduce_scatter's capacity for data sent with their
+        # sizes (_C.carried_exchange): the same on every member, as it follows their calls
+        self.carry = np.zeros(3, np.int64)
         if comm is not None:
             from mpi4py import MPI
             self.handle = MPI._handleof(comm)
@@ -98,7 +103,7 @@ def init(comm=None, **options) -> None:
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _state.engine = Engine(on_stuck=_abort)
-    _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size())
+    _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size(), _state.world)
     atexit.register(_finish_queued)
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())

@@ -300,6 +300,13 @@ def test_a_wrong_out_raises(group):
     with pytest.raises(ValueError, match=f"ranks \\[{size - 1}\\]"):
         pycoll.allgather(x, group=arg, out=out)
     np.testing.assert_array_equal(pycoll.allgather(x, group=arg), np.ones((2 * size, 3)))
+    # reduce_scatter's too: every rank checks every rank's out= in the exchange of sizes.
+    out = np.empty((1 + (rank == size - 1), 3), np.float32)
+    with pytest.raises(ValueError, match=f"this rank's block.*{{{size - 1}: \\(12, 24\\)}}"):
+        pycoll.reduce_scatter(np.ones((size, 3), np.float32), op=pycoll.Sum, group=arg, out=out)
+    np.testing.assert_array_equal(pycoll.reduce_scatter(np.ones((size, 3), np.float32),
+                                                        op=pycoll.Sum, group=arg),
+                                  np.full((1, 3), size))
     with pytest.raises(TypeError, match="out= is float64"):
         pycoll.alltoall(np.ones((size, 3), np.float32), group=arg, out=np.empty((size, 3)))
     wrong = f"out= must hold the rows each rank receives.*[{{ ]{size - 1}: \\("

@@ -185,8 +185,40 @@ def test_short_path_allgather_names_what_the_ranks_disagree_on(group, short_runs
         pycoll.allgather(np.zeros(2), group=arg, out=np.zeros(2 * size + 1))
     with pytest.raises(ValueError, match="out= must hold the rows each rank receives"):
         pycoll.alltoall(np.zeros(size), group=arg, out=np.zeros(size + (rank == 0)))
+    with pytest.raises(ValueError, match="this rank's block"):
+        pycoll.reduce_scatter(np.zeros((size, 2)), group=arg, out=np.zeros(2 + 2 * (rank == 0)))
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        pycoll.reduce_scatter(np.zeros((size * (1 + (rank == 0)), 2)), group=arg)
     np.testing.assert_array_equal(pycoll.allgather(np.full(1, rank), group=arg), range(size))
     assert short_runs() == 1        # and the token came back after each error
+
+
+def test_either_path_meets_the_other_whatever_the_capacity(group, short_runs):
+    """allgather, alltoall and reduce_scatter send their sizes with their data in one
+    exchange, and what did not fit the group's capacity (its last call's largest part, up
+    to 4 KiB, 16 KiB for reduce_scatter) in a second: ranks on the short path (even ones)
+    and on the general one (odd ones, through the async forms) meet as the rows grow (two
+    rounds), repeat (one), shrink (one) and pass the carried size (700 rows of 8 float32:
+    22 KiB a part)."""
+    arg, rank, size = group
+
+    def run(name, *args, **kwargs):
+        if rank % 2:
+            return getattr(pycoll, name + "_async")(*args, **kwargs).wait()
+        return getattr(pycoll, name)(*args, **kwargs)
+    sizes = (1, 3, 3, 2, 700, 700, 1)
+    for rows in sizes:
+        x = np.full((rows * size, 8), rank + 1.0, np.float32)
+        gathered = run("allgather", x[:rows + rank % 2], group=arg)         # uneven
+        np.testing.assert_array_equal(gathered[:, 0], np.concatenate(
+            [np.full(rows + r % 2, r + 1.0) for r in range(size)]))
+        y, received = run("alltoall", x, group=arg)
+        np.testing.assert_array_equal(y[:, 0], np.repeat(np.arange(1.0, size + 1), rows))
+        assert list(received) == [rows] * size
+        out = np.empty((rows, 8), np.float32)
+        assert run("reduce_scatter", x, op=pycoll.Sum, group=arg, out=out) is out
+        assert (out == size * (size + 1) / 2).all()
+    assert short_runs() == (0 if rank % 2 else 3 * len(sizes))
 
 
 def test_what_the_short_path_leaves_to_the_other_collectives_general_paths(group, short_runs):

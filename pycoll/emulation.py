@@ -197,10 +197,13 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
 # 1 ns (medians, 2-core VM at load 24). The last SPIN_S before a deadline is spent
 # spinning on sched_yield (0.25 us a call, GIL released): one thread, quiet, 300 us
 # waits, 0.3 us late (p90 0.7). The spin used to call time.sleep(0), which on Python 3.11
-# is a real nanosleep (40 us here): 14 us late (p90 20). A longer spin made the worst
-# wake-ups worse (100 us, at load 24: p99 7 ms against 3.5 ms: the scheduler holds back
-# a spinning rank); so can a yielding one under other jobs' load (p90 3 ms at load 15).
-SPIN_S = 30e-6
+# is a real nanosleep (40 us here): 14 us late (p90 20). A 30 us spin still let the sleep
+# before it wake late from an idle core: small collectives under a 10 GbE link measured
+# 1.14-1.33x their model at 2 ranks (quiet VM) against 1.05-1.18x with 120 us, and 4
+# ranks on 2 cores 15-30 us less per collective (bench/emulation.py, 4 and 64 KiB, same
+# run). With time.sleep(0) as its "spin", a 100 us one had made the worst wake-ups worse
+# under other jobs' load (p99 7 ms against 3.5 ms at load 24); a yielding one can too.
+SPIN_S = 120e-6
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
 

@@ -869,7 +869,7 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     for (size_t r = 0; r < n; ++r) {
         const int64_t* h = c.header(r);
         const int64_t wanted = rows_of_rank(a.rows, t.size, static_cast<Py_ssize_t>(r)) * a.row_bytes;
-        agreed &= h[1] == header[1] && h[3] == a.rows && (h[2] < 0 || h[2] == wanted);
+        agreed &= h[1] == header[1] && h[3] == a.rows && (h[2] == -1 || h[2] == wanted);  // -2: a bad out=
     }
     if (!agreed) return disagreed(c, t.size, s.reduce_scatter, x, given, group, name);
     Ref out;
@@ -934,7 +934,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         total += nbytes;
         total_rows += c.header(r)[3];
     }
-    for (size_t r = 0; r < counts.size(); ++r) agreed &= c.header(r)[2] < 0 || c.header(r)[2] == total;
+    for (size_t r = 0; r < counts.size(); ++r) agreed &= c.header(r)[2] == -1 || c.header(r)[2] == total;
     if (!agreed) return disagreed(c, t.size, s.allgather, x, given, group, name);
     Ref out;
     if (given == Py_None) {
@@ -1031,7 +1031,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
             rows += part;
         }
         const int64_t wanted = c.header(d)[2];
-        agreed &= c.header(d)[1] == header[1] && fits(rows * row_bytes) && (wanted < 0 || wanted == rows * row_bytes);
+        agreed &= c.header(d)[1] == header[1] && fits(rows * row_bytes) && (wanted == -1 || wanted == rows * row_bytes);
     }
     if (!agreed) return disagreed(c, t.size, s.alltoall, x, given, group, name);
     std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);

@@ -431,7 +431,7 @@ def _unpack(carried, dst: int, counts: Sequence[int]) -> None:
 def _plan_allgather(x, group, name, out=None):
     grp = runtime.resolve(group)
     src = as_buffer(x)
-    given = None if out is None else _output(out, src.dtype, "allgather")
+    given, out_word, out_error = _output(out, src.dtype, "allgather")
     name = name or "allgather"
 
     def run():
@@ -439,9 +439,10 @@ def _plan_allgather(x, group, name, out=None):
         row_shape = tuple(src.shape[1:])
         grp.agree("allgather", name, dtype=src.dtype, row_shape=row_shape)
         header = [src.nbytes, _C.row_signature(src.dtype, row_shape),
-                  -1 if given is None else given.nbytes, rows]
+                  out_word, rows]
         with _host(src) as s:
             headers, carried = _exchange(_ALLGATHER, grp, header, s, [src.nbytes])
+            _outs_usable(name, headers, out_error)
             counts = _allgather_counts(name, grp, src, headers)
             result = out if given is not None else tensors.empty_like(
                 x, (sum(h[_SIZES] for h in headers),) + row_shape)
@@ -486,6 +487,7 @@ def _disagreed(kind: str, x, out, group, name, headers) -> None:
     path's error for ``kind``."""
     grp, src = runtime.resolve(group), as_buffer(x)
     name = name or kind
+    _outs_usable(name, headers, None)
     if kind == "allgather":
         _allgather_counts(name, grp, src, headers)
     elif kind == "alltoall":
@@ -494,13 +496,35 @@ def _disagreed(kind: str, x, out, group, name, headers) -> None:
         _reduce_scatter_agreed(name, grp, src, headers)
 
 
-def _output(out, dtype: str, what: str) -> Buffer:
-    """``out=``: where an operation writes its result instead of a new tensor."""
-    dst = as_buffer(out, writable=True)
-    if dst.dtype != dtype:
-        raise TypeError(f"{what}: out= is {dst.dtype} but the input is {dtype}; pass a "
-                        f"{dtype} tensor")
-    return dst
+# A header's word for out=: none, one that cannot take the result, else its bytes.
+_NO_OUT, _BAD_OUT = -1, -2
+
+
+def _output(out, dtype: str, what: str):
+    """``out=`` (where an operation writes its result instead of a new tensor) as a
+    Buffer, its header word, and the error it raises: a bad out= is raised after the
+    exchange of sizes, on every rank (the others name its rank), not on its rank alone."""
+    if out is None:
+        return None, _NO_OUT, None
+    try:
+        dst = as_buffer(out, writable=True)
+        if dst.dtype != dtype:
+            raise TypeError(f"{what}: out= is {dst.dtype} but the input is {dtype}; pass a "
+                            f"{dtype} tensor")
+    except (TypeError, ValueError) as error:
+        return None, _BAD_OUT, error
+    return dst, dst.nbytes, None
+
+
+def _outs_usable(name: str, headers, error) -> None:
+    """Raise this rank's out= ``error``, or name the ranks whose out= cannot take the
+    result (every rank sees the same headers)."""
+    if error is not None:
+        raise error
+    bad = [r for r, h in enumerate(headers) if h[2] == _BAD_OUT]
+    if bad:
+        raise ValueError(f"{name}: the out= of ranks {bad} cannot take the result; see the "
+                         f"error those ranks raised")
 
 
 def _displacements(counts: Sequence[int]) -> List[int]:
@@ -542,7 +566,7 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
     rows = _split_rows(src.shape[0], grp.size())
     shape = (rows[grp.rank()],) + tuple(src.shape[1:])
     # A wrong out= is found by every rank, in the exchange: not here, on this rank alone.
-    given = None if out is None else _output(out, src.dtype, "reduce_scatter")
+    given, out_word, out_error = _output(out, src.dtype, "reduce_scatter")
     row_count = src.count // src.shape[0] if src.shape[0] else 0
     itemsize = ITEMSIZE[src.dtype]
 
@@ -554,9 +578,10 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
         _check_counts(name, counts, "elements")
         parts = [c * itemsize for c in counts]
         header = [max(parts), _C.row_signature(f"{src.dtype}/{op.value}", src.shape[1:]),
-                  -1 if given is None else given.nbytes, src.shape[0]]
+                  out_word, src.shape[0]]
         with _host(src) as s:
             headers, carried = _exchange(_REDUCE_SCATTER, grp, header, s, parts)
+            _outs_usable(name, headers, out_error)
             _reduce_scatter_agreed(name, grp, src, headers)
             result = out if given is not None else tensors.empty_like(x, shape)
             dst = given or as_buffer(result, writable=True)
@@ -613,14 +638,14 @@ def _plan_alltoall(x, splits, group, name, out=None):
     if len(sent) != n or min(sent) < 0 or sum(sent) != rows or sent != [int(r) for r in sent]:
         raise ValueError(f"alltoall splits must be {n} non-negative row counts summing to "
                          f"dim 0 ({rows}), got {sent}")
-    given = None if out is None else _output(out, src.dtype, "alltoall")
+    given, out_word, out_error = _output(out, src.dtype, "alltoall")
     row_shape = tuple(src.shape[1:])
     row_bytes = math.prod(row_shape) * ITEMSIZE[src.dtype]
     send_counts = [int(r) * row_bytes for r in sent]
     # Every rank sends its splits and out='s size, so that each knows what every rank
     # receives and a wrong out= raises on all of them.
     header = [max(send_counts), _C.row_signature(src.dtype, row_shape),
-              -1 if given is None else given.nbytes] + [int(r) for r in sent]
+              out_word] + [int(r) for r in sent]
 
     name = name or "alltoall"
 
@@ -628,6 +653,7 @@ def _plan_alltoall(x, splits, group, name, out=None):
         grp.agree("alltoall", name, dtype=src.dtype, row_shape=row_shape)
         with _host(src) as s:
             headers, carried = _exchange(_ALLTOALL, grp, header, s, send_counts)
+            _outs_usable(name, headers, out_error)
             received = _alltoall_received(name, grp, src, headers)
             recv_splits = np.array(received, np.int64)
             result = out if given is not None else tensors.empty_like(x, (sum(received),) + row_shape)

@@ -315,6 +315,18 @@ def test_a_wrong_out_raises(group):
             (size + (rank == size - 1), 3), np.float32))
     y, received = pycoll.alltoall(np.ones((size, 3), np.float32), group=arg)
     assert y.shape == (size, 3) and list(received) == [1] * size
+    # An out= of the wrong dtype on one rank raises there and names that rank on the others.
+    last = rank == size - 1
+    error, match = (TypeError, "out= is float64") if last else (ValueError, f"out= of ranks \\[{size - 1}\\]")
+    cases = [(lambda out: pycoll.allgather(x, group=arg, out=out), (2 * size, 3)),
+             (lambda out: pycoll.reduce_scatter(np.ones((size, 3), np.float32), group=arg, out=out),
+              (1, 3)),
+             (lambda out: pycoll.alltoall(np.ones((size, 3), np.float32), group=arg, out=out),
+              (size, 3))]
+    for call, shape in cases:
+        with pytest.raises(error, match=match):
+            call(np.empty(shape, np.float64 if last else np.float32))
+        call(np.empty(shape, np.float32))       # the group stays usable
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])

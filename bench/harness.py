@@ -24,6 +24,7 @@ try:
 except ImportError:                              # a checkout without pip install -e
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import pycoll
+from pycoll.work import wait_requests
 
 comm = MPI.COMM_WORLD
 MiB = 1 << 20
@@ -93,10 +94,11 @@ def time_batch(fn: Callable[[], object], iters: int, sleep_when_done: bool = Fal
     return float(slowest[0])
 
 
-def sleep_until_done(request) -> None:
-    """Wait for an MPI ``request`` sleeping, not spinning: ranks outnumber cores here."""
-    while not request.Test():
-        time.sleep(0.0005)
+def sleep_until_done(request, timeout: float = 600.0) -> None:
+    """Wait for an MPI ``request`` sleeping, not spinning (ranks outnumber cores here):
+    pycoll's one wait with a deadline."""
+    if wait_requests([request], timeout):
+        raise SystemExit(f"a rank did not reach the end of a batch within {timeout:.0f} s")
 
 
 def iters_for_time(fn: Callable[[], object], target_s: float, max_iters: int) -> int:

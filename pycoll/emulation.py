@@ -232,8 +232,12 @@ def sleep_until(deadline: float) -> None:
         time.sleep(left - SPIN_S)
     if counting:
         before, awake = _core_waits.woke(deadline, before)
-    while time.monotonic() < deadline:
+    now = time.monotonic()
+    while now < deadline:
+        if counting:            # the latest instant on a core before the deadline: the
+            before, awake = _run_delay(), now   # wait for a core since then came after it
         os.sched_yield()                 # yields the GIL, and the core to whoever waits
+        now = time.monotonic()
     if counting:
         _core_waits.woke(deadline, before, awake)
 

@@ -179,6 +179,16 @@ def _wake_up(comm, reps: int = 30) -> tuple:
     return late, cluster
 
 
+SMALL, SMALL_TIMES = 1 << 20, 5
+
+
+def _reps(args, size: int) -> int:
+    """Repetitions of a row: below SMALL, SMALL_TIMES as many. A small row's time is a few
+    thread wake-ups, each 10-100 us on a loaded 2-core VM: medians of 3 moved 2x between
+    runs, and its repetitions cost milliseconds."""
+    return args.reps if size >= SMALL else SMALL_TIMES * args.reps
+
+
 def collectives_job(args) -> list:
     import numpy as np
     import pycoll
@@ -197,7 +207,7 @@ def collectives_job(args) -> list:
                 "partial": lambda: pycoll.partial_allreduce_(x, list(range(n)), op=pycoll.Sum)}
         for op in COLLECTIVES:
             times = []
-            for rep in range(args.reps + 1):                    # the first warms up
+            for rep in range(_reps(args, size) + 1):            # the first warms up
                 x.fill(rank + 1)
                 begun = _together(comm)
                 runs[op]()
@@ -226,7 +236,7 @@ def ps_job(args) -> list:
                          ("ps pull", lambda: ps.pull(name, value).wait())):
             for pushers in sorted({1, workers}):
                 spans = []
-                for rep in range(args.reps + 1):
+                for rep in range(_reps(args, size) + 1):
                     begun = _together(comm)
                     if rank < pushers:
                         call()
@@ -369,7 +379,8 @@ def wake_up_us(runs: list) -> tuple:
 
 def print_table(args, rows: list, wake_us: tuple) -> None:
     print(f"# pycoll emulation: --link {args.link}; {args.ranks} ranks (PS: {args.ranks} "
-          f"workers + 1 server); medians of {args.reps}; times in ms; load average "
+          f"workers + 1 server); medians of {args.reps} (below {human(SMALL)}: of "
+          f"{SMALL_TIMES * args.reps}); times in ms; load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"# the latest of {args.ranks} ranks sleeping to one deadline wakes {wake_us[0]:.0f} us "
           f"late (median), {wake_us[1]:.0f} us less its wait for a core")

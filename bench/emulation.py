@@ -9,9 +9,22 @@ Runs each job twice under pycollrun, without and with ``--link``: the collective
 partial all-reduce of every rank on its point-to-point ring), and the parameter-server
 job on --ranks workers and 1 server (ASP, no optimizer: pushes of one worker, then of all
 at once; then pulls likewise). Every repetition wakes all ranks at one instant (they
-share this machine's clock); its time runs from the latest start to the latest end among
-the ranks taking part (the model's runs from the last member's entry); tables quote the
-median.
+share this machine's clock); tables quote the median.
+
+When a row starts, and its model with it:
+  A collective cannot start before its last member has called it: the emulation charges
+  the model from the latest member's call (``Paced`` stamps the call in the compiled
+  path, ``emulation.called`` in the general one), so a collective row runs from the
+  latest start to the latest end among the ranks. Everything a rank does from its call
+  to its MPI calls (reading the arguments, the engine's token, the entry's bookkeeping)
+  is real work, like the transfer: the modelled time overlaps it, so a call lasts max(its
+  real work, the model) plus its return, with or without the compiled path. (Until
+  2026-11-24 the compiled path charged the model from its entry, after that work: 4-13
+  us a call at 2 ranks that no sleep could win back, and the general path from the call.)
+  A PS row's requests are independent: each starts when its worker sends it, and the
+  server's NIC takes them in turn from then. The row runs from the first start to the
+  last end, and its model is computed from each repetition's own starts (``ps_model``),
+  so a worker that wakes late is neither charged to the emulation nor hidden by it.
 
 The model of each row (``pycoll.emulation``; alpha, beta the link's latency and bandwidth,
 n ranks, B bytes):
@@ -20,21 +33,28 @@ n ranks, B bytes):
                        alpha + (n-1)B/beta             exchange, PYCOLL_PARTIAL_DIRECT_BYTES)
   allgather            (n-1)(alpha + B/(n beta))      (B: the gathered result)
   broadcast            ceil(log2 n)(alpha + B/beta)
-  ps push, W pushers   2 alpha + W B/beta + S         (the request and its payload, through
-  ps pull, W pullers   2 alpha + W B/beta + S          the server's NIC; then the answer)
+  ps push, pull        ``ps_model``: with W requests sent at once, 2 alpha + W B/beta + S,
+                       or 2 alpha + B/beta + W P + S - P where the server is the bottleneck
 
-A PS request is not a transfer alone: the server parses it, adds the pushed piece into
-its shard (or reads the shard out for a pull) and answers, and the worker's thread hands
-the answer to the caller. That is compute, and a real cluster pays it too; the emulation
-must not hide it (an update may not be visible to other workers before its modelled
-arrival, so the server cannot apply a piece before then). What can overlap does: the real
-copy runs while the modelled transfer elapses, and the server applies each payload piece
-(PYCOLL_CHUNK_BYTES) while the next is still arriving, so only the last piece's processing
-comes after the modelled transfer. S is that processing, measured without a link in the
-same run: the least time one worker's request of one piece took (this size, or the
-largest size run that fits in one piece), the server's polling included (it naps 1/64
-of its quiet spell between polls, with or without a link). Where a row measures over
-its model, the excess is the emulation's own: each paced message's release by its thread.
+A PS request is not a transfer alone: the worker's header and payload cross the server's
+NIC (its ingress a FIFO: W pushers share it, incast), the server parses the request,
+adds the pushed piece into its shard (or reads the shard out for a pull) and answers,
+and the answer crosses back (a pull's data on the server's egress, FIFO too): one alpha
+each way, the header's and answer's few bytes included. That processing is compute a
+cluster pays too, and the emulation must not hide it (an update may not be visible to
+other workers before its modelled arrival, so the server cannot apply a piece before
+then). What can overlap does: the real copy runs while the modelled transfer elapses,
+the server applies each payload piece (PYCOLL_CHUNK_BYTES) while the next is still
+arriving, and it serves one request while the next one's bytes cross the link, so only
+the last request's processing comes after the last transfer, unless the server is
+slower than the link (small requests from several workers: then they queue at it, W
+times its own part P). S is that processing, measured without a link in the same run:
+the least time one worker's request of one piece took (this size, or the largest size
+run that fits in one piece), the server's polling and the worker's hand-over included.
+P, the server's own part of S: what each further simultaneous request added to the least
+time without a link, (least of W - least of 1) / (W - 1), at most S. Where a row measures
+over its model, the excess is the emulation's own: each paced message's release by its
+thread.
 
 Two times per row. "wall": the wall clock. "cluster": the wall clock less, per rank,
 how long its threads waited for a core after the modelled end (``emulation.
@@ -98,6 +118,19 @@ def _max(comm, *values) -> list:
     return mine.tolist()
 
 
+def _every(comm, *values) -> list:
+    """Each rank's ``values`` (a list per rank), waited for as ``_max`` waits."""
+    import numpy as np
+    from mpi4py import MPI
+    from pycoll.work import wait_requests
+    mine = np.array(values, np.float64)
+    every = np.empty((comm.Get_size(), len(values)), np.float64)
+    if wait_requests([comm.Iallgather(mine, every)], 600.0):
+        raise SystemExit("bench/emulation.py: a rank did not reach the end of a repetition "
+                         "within 600 s")
+    return every.tolist()
+
+
 def _together(comm) -> float:
     """Wake every rank of ``comm`` at one instant (the latest clock, plus 2 ms); when this
     one did (on a loaded machine some wake a fraction of a millisecond late)."""
@@ -119,6 +152,18 @@ def _took(comm, begun: float, part: bool = True) -> tuple:
     return end - start, cluster - start
 
 
+def _spans(comm, begun: float, part: bool) -> list:
+    """(start, end, cluster end) of each rank that takes ``part`` (a PS row's requests),
+    relative to the earliest start: each request starts on its own and the model's FIFO
+    at the server's NIC is fed from when each was sent."""
+    from pycoll import emulation
+    end = time.monotonic()
+    waited = emulation.core_wait_after(begun)
+    every = [row for row in _every(comm, float(part), begun, end, end - waited) if row[0]]
+    first = min(row[1] for row in every)
+    return [[t - first for t in row[1:]] for row in every]
+
+
 def _wake_up(comm, reps: int = 30) -> tuple:
     """How late (s) the latest rank wakes when every rank sleeps to one deadline: on
     the wall clock, and less each rank's wait for a core (the cluster's)."""
@@ -132,6 +177,16 @@ def _wake_up(comm, reps: int = 30) -> tuple:
         late.append(mine[0])
         cluster.append(mine[1])
     return late, cluster
+
+
+SMALL, SMALL_TIMES = 1 << 20, 5
+
+
+def _reps(args, size: int) -> int:
+    """Repetitions of a row: below SMALL, SMALL_TIMES as many. A small row's time is a few
+    thread wake-ups, each 10-100 us on a loaded 2-core VM: medians of 3 moved 2x between
+    runs, and its repetitions cost milliseconds."""
+    return args.reps if size >= SMALL else SMALL_TIMES * args.reps
 
 
 def collectives_job(args) -> list:
@@ -152,7 +207,7 @@ def collectives_job(args) -> list:
                 "partial": lambda: pycoll.partial_allreduce_(x, list(range(n)), op=pycoll.Sum)}
         for op in COLLECTIVES:
             times = []
-            for rep in range(args.reps + 1):                    # the first warms up
+            for rep in range(_reps(args, size) + 1):            # the first warms up
                 x.fill(rank + 1)
                 begun = _together(comm)
                 runs[op]()
@@ -180,16 +235,18 @@ def ps_job(args) -> list:
         for op, call in (("ps push", lambda: ps.push(name, value).wait()),
                          ("ps pull", lambda: ps.pull(name, value).wait())):
             for pushers in sorted({1, workers}):
-                times = []
-                for rep in range(args.reps + 1):
+                spans = []
+                for rep in range(_reps(args, size) + 1):
                     begun = _together(comm)
                     if rank < pushers:
                         call()
-                    took = _took(comm, begun, rank < pushers)
+                    took = _spans(comm, begun, rank < pushers)
                     if rep:
-                        times.append(took)
-                rows.append(dict(op=op, bytes=value.nbytes, pushers=pushers,
-                                 times=[t[0] for t in times], cluster=[t[1] for t in times]))
+                        spans.append(took)
+                rows.append(dict(op=op, bytes=value.nbytes, pushers=pushers, name=name,
+                                 starts=[[s[0] for s in rep] for rep in spans],
+                                 times=[max(s[1] for s in rep) for rep in spans],
+                                 cluster=[max(s[2] for s in rep) for rep in spans]))
     ps.shutdown()
     return rows
 
@@ -225,31 +282,56 @@ def run_job(kind: str, args, link, out: str) -> list:
         return json.load(f)
 
 
-def model_time(op: str, n: int, nbytes: int, pushers, latency: float, bandwidth: float,
-               server: float = 0.0) -> float:
-    """The row's model; ``server``: a PS request's processing S (see the docstring)."""
+def model_time(op: str, n: int, nbytes: int, latency: float, bandwidth: float) -> float:
+    """A collective row's model (see the docstring)."""
     from pycoll import emulation
     if op == "partial":
         from pycoll import config
         kind = "direct" if nbytes <= config.get("partial_direct_bytes") else "allreduce"
         return emulation.collective_time(kind, n, nbytes, latency, bandwidth)
-    if op in COLLECTIVES:
-        return emulation.collective_time(op, n, nbytes, latency, bandwidth)
-    return 2 * latency + pushers * nbytes / bandwidth + server
+    return emulation.collective_time(op, n, nbytes, latency, bandwidth)
+
+
+def ps_model(op: str, starts: list, nbytes: int, name: str, latency: float,
+             bandwidth: float, serving: float, each: float) -> float:
+    """When the last of a PS row's requests, sent at ``starts`` (s after the first), ends
+    on the emulated cluster: each crosses the server's NIC (a FIFO: the pushes' payloads on
+    its ingress, the pulls' answers on its egress), the server serves one request at a
+    time (``each`` s, while the next transfers), and the last answer crosses back; then
+    what is left of S (``serving``) beside the server's own part."""
+    from pycoll.ps import wire
+    request = wire.HEADER.size + wire.ENTRY.itemsize + len(name)     # the header as sent
+    answer = wire.META_LEN * 8
+    inbound, outbound = (request + nbytes, answer) if op == "ps push" else \
+        (request, answer + nbytes)
+    ingress = busy = egress = -math.inf
+    for start in sorted(starts):
+        ingress = max(ingress, start) + inbound / bandwidth
+        busy = max(busy, ingress + latency) + each
+        egress = max(egress, busy) + outbound / bandwidth
+    return egress + latency + serving - each
 
 
 def server_times(real: list) -> dict:
-    """S of each PS row, by (op, bytes): the least time without a link of one worker's
-    request of min(bytes, P), P the largest size run that fits in one payload piece (the
-    least: this machine's load only adds to it, and S is in many rows' models)."""
+    """(S, its server's part) of each PS row, by (op, bytes). S: the least time without a
+    link of one worker's request of min(bytes, P), P the largest size run that fits in one
+    payload piece (the least: this machine's load only adds to it, and S is in many rows'
+    models). The server's part: what each further simultaneous request added to the least
+    time without a link, (least of W - least of 1) / (W - 1), at most S."""
     from pycoll import tensors
-    ones = {(r["op"], r["bytes"]): min(r["times"])
-            for r in real if r["op"] in PS and r["pushers"] == 1}
+    least = {(r["op"], r["bytes"], r["pushers"]): min(r["times"]) for r in real if r["op"] in PS}
+    ones = {(op, b): t for (op, b, w), t in least.items() if w == 1}
     sizes = sorted({b for _, b in ones})
     if not sizes:
         return {}
     piece = max([b for b in sizes if b <= tensors.piece_bytes()] or sizes[:1])
-    return {(op, b): ones[(op, min(b, piece))] for op, b in ones}
+    out = {}
+    for op, b in ones:
+        serving = ones[(op, min(b, piece))]
+        more = [(w, t) for (o, size, w), t in least.items() if (o, size) == (op, b) and w > 1]
+        each = max([(t - ones[(op, b)]) / (w - 1) for w, t in more] or [0.0])
+        out[(op, b)] = (serving, min(serving, max(0.0, each)))
+    return out
 
 
 def combine(args, real: list, emulated: list) -> list:
@@ -262,9 +344,13 @@ def combine(args, real: list, emulated: list) -> list:
             (paced["op"], paced["bytes"], paced["pushers"])
         if paced["op"] == "wake-up":
             continue
-        serving = server.get((paced["op"], paced["bytes"]), 0.0)
-        model = model_time(paced["op"], args.ranks, paced["bytes"], paced["pushers"],
-                           latency, bandwidth, serving)
+        serving, each = server.get((paced["op"], paced["bytes"]), (0.0, 0.0))
+        if paced["op"] in PS:
+            model = statistics.median(
+                ps_model(paced["op"], starts, paced["bytes"], paced["name"], latency, bandwidth,
+                         serving, each) for starts in paced["starts"])
+        else:
+            model = model_time(paced["op"], args.ranks, paced["bytes"], latency, bandwidth)
         real_s, measured = statistics.median(plain["times"]), statistics.median(paced["times"])
         cluster = statistics.median(paced["cluster"])
         checked = model > real_s
@@ -273,6 +359,7 @@ def combine(args, real: list, emulated: list) -> list:
         rows.append(dict(op=paced["op"], bytes=paced["bytes"], pushers=paced["pushers"],
                          real_ms=real_s * 1e3, model_ms=model * 1e3, measured_ms=measured * 1e3,
                          cluster_ms=cluster * 1e3, server_ms=serving * 1e3,
+                         server_each_ms=each * 1e3,
                          ratio=ratio, cluster_ratio=cluster_ratio, checked=checked,
                          ok_wall=(not checked) or abs(ratio - 1) <= 0.10,
                          ok=(not checked) or abs(cluster_ratio - 1) <= 0.10,
@@ -292,17 +379,19 @@ def wake_up_us(runs: list) -> tuple:
 
 def print_table(args, rows: list, wake_us: tuple) -> None:
     print(f"# pycoll emulation: --link {args.link}; {args.ranks} ranks (PS: {args.ranks} "
-          f"workers + 1 server); medians of {args.reps}; times in ms; load average "
+          f"workers + 1 server); medians of {args.reps} (below {human(SMALL)}: of "
+          f"{SMALL_TIMES * args.reps}); times in ms; load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"# the latest of {args.ranks} ranks sleeping to one deadline wakes {wake_us[0]:.0f} us "
           f"late (median), {wake_us[1]:.0f} us less its wait for a core")
-    print(f"{'op':<10} {'W':>2} {'size':>9} {'no link':>9} {'S':>7} {'model':>9} {'wall':>9} "
-          f"{'wall/mod':>8} {'cluster':>9} {'clus/mod':>8}  within 10%")
+    print(f"{'op':<10} {'W':>2} {'size':>9} {'no link':>9} {'S':>7} {'server':>7} {'model':>9} "
+          f"{'wall':>9} {'wall/mod':>8} {'cluster':>9} {'clus/mod':>8}  within 10%")
     for r in rows:
         verdict = ("ok" if r["ok"] else "OUT") if r["checked"] else "- (real > model)"
-        serving = f"{r['server_ms']:7.3f}" if r["op"] in PS else ""
+        ps = r["op"] in PS
+        serving = f"{r['server_ms']:7.3f} {r['server_each_ms']:7.3f}" if ps else " " * 15
         print(f"{r['op']:<10} {r['pushers'] or '':>2} {human(r['bytes']):>9} "
-              f"{r['real_ms']:9.3f} {serving:>7} {r['model_ms']:9.3f} {r['measured_ms']:9.3f} "
+              f"{r['real_ms']:9.3f} {serving} {r['model_ms']:9.3f} {r['measured_ms']:9.3f} "
               f"{r['ratio']:8.3f} {r['cluster_ms']:9.3f} {r['cluster_ratio']:8.3f}  {verdict}")
     checked = [r for r in rows if r["checked"]]
     def worst(column):

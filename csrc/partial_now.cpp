@@ -148,6 +148,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "partial_now(x, inplace, ranks, op, name) takes 5 arguments");
         return nullptr;
     }
+    short_path::Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *ranks = args[2], *op = args[3], *name = args[4] == Py_None ? s_name : args[4];
     const bool inplace = args[1] == Py_True;
     // Failed rounds leave state (sends still reading, broken groups) the general path
@@ -188,7 +189,6 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
     // Paced as the general path paces it: the direct exchange's model up to direct_bytes,
     // the ring's beyond (a cached communicator's Allreduce included).
-    short_path::Paced paced(link);
     if (!paced.begin(host.nbytes <= static_cast<Py_ssize_t>(settings.direct_bytes) ? s_direct : s_allreduce,
                      key.get(), host.nbytes))
         return nullptr;

@@ -625,11 +625,18 @@ int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*
     return 0;
 }
 
+Paced::Paced(const Link& hooks) : enter_(Py_XNewRef(hooks.enter)), leave_(Py_XNewRef(hooks.leave)) {
+    if (!enter_) return;  // no link: nothing more
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  // time.monotonic()'s, to the nanosecond
+    issued_ = static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 bool Paced::begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
     if (!enter_) return true;
-    Ref size(PyLong_FromSsize_t(nbytes));
-    PyObject* args[] = {kind, group, size.get()};
-    entry_.reset(size ? PyObject_Vectorcall(enter_.get(), args, 3, nullptr) : nullptr);
+    Ref size(PyLong_FromSsize_t(nbytes)), issued(size ? PyFloat_FromDouble(issued_) : nullptr);
+    PyObject* args[] = {kind, group, size.get(), issued.get()};
+    entry_.reset(issued ? PyObject_Vectorcall(enter_.get(), args, 4, nullptr) : nullptr);
     return static_cast<bool>(entry_);
 }
 
@@ -757,6 +764,7 @@ PyObject* row_signature(PyObject*, PyObject* args) {
 
 PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 5, "allreduce_now(x, inplace, op, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *op = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
     if (!active()) Py_RETURN_NONE;
@@ -779,7 +787,6 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
-    Paced paced(link);
     if (!paced.begin(s.allreduce, group, in.nbytes)) return nullptr;
     const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
     void* recv = inplace ? in.ptr : result.ptr;
@@ -792,6 +799,7 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 5, "broadcast_now(x, inplace, root, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *root_arg = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
     if (!active() || !PyLong_CheckExact(root_arg)) Py_RETURN_NONE;
@@ -821,7 +829,6 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Token token(name, s.broadcast);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced(link);
     if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
     const int n = static_cast<int>(count), r = static_cast<int>(root);
@@ -839,6 +846,7 @@ int64_t reduce_signature(const Rows& a) {
 
 PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 5, "reduce_scatter_now(x, op, out, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *op = args[1], *given = args[2], *group = args[3], *name = args[4];
     if (!active()) Py_RETURN_NONE;
     Rows a;
@@ -860,7 +868,6 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
     const std::vector<int64_t> header = {parts[0], reduce_signature(a), given == Py_None ? -1 : result.nbytes, a.rows};
     Token token(name, s.reduce_scatter);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced(link);
     if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
     Carried c;
     if (!without_gil([&] { return exchange(kReduceScatter, t, header, static_cast<const char*>(a.in.ptr), parts, c); }))
@@ -900,6 +907,7 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 
 PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 4, "allgather_now(x, out, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *given = args[1], *group = args[2], *name = args[3];
     if (!active()) Py_RETURN_NONE;
     Rows a;
@@ -916,7 +924,6 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         given == Py_None ? -1 : result.nbytes, a.rows};
     Token token(name, s.allgather);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced(link);
     if (!paced.begin(s.allgather, group, a.in.nbytes)) return nullptr;
     Carried c;
     if (!without_gil([&] {
@@ -983,6 +990,7 @@ bool parse_splits(PyObject* splits, Py_ssize_t n, int64_t rows, std::vector<int6
 
 PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 5, "alltoall_now(x, splits, out, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *x = args[0], *splits = args[1], *given = args[2], *group = args[3], *name = args[4];
     if (!active()) Py_RETURN_NONE;
     Rows a;
@@ -1016,7 +1024,6 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced(link);
     if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
     Carried c;
     if (!without_gil([&] { return exchange(kAlltoall, t, header, static_cast<const char*>(a.in.ptr), parts, c); }))
@@ -1189,6 +1196,7 @@ PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!takes(nargs, 5, "grouped_allreduce_now(xs, inplace, op, group, name)")) return nullptr;
+    Paced paced(link);  // the model runs from here: the call
     PyObject *xs = args[0], *op = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
     if (!active()) Py_RETURN_NONE;
@@ -1218,7 +1226,6 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
-    Paced paced(link);
     if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
     // destinations lie back to back (they are then their own, and need no unpack); pieces

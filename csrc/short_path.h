@@ -79,25 +79,30 @@ struct Host {
 // -1 with a Python error.
 int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route);
 
-// Under --link (pycoll.emulation): enter(kind, group, nbytes) -> entry before a collective's MPI
-// calls, leave(entry) after them (it sleeps until the modelled end); both null without a link.
-// This path's are given by short_path_settings, partial_now's by partial_settings.
+// Under --link (pycoll.emulation): enter(kind, group, nbytes, issued) -> entry before a
+// collective's MPI calls (issued: when it was called, time.monotonic()'s clock), leave(entry)
+// after them (it sleeps until the modelled end); both null without a link. This path's are
+// given by short_path_settings, partial_now's by partial_settings.
 struct Link {
     PyObject* enter = nullptr;
     PyObject* leave = nullptr;
 };
 
-// One collective paced under `hooks`' link, nothing without: begin() before its MPI calls,
-// end() after them; each false with an error.
+// One collective paced under `hooks`' link, nothing without: made where the collective is
+// called, begin() before its MPI calls, end() after them; each false with an error. The model
+// runs from the construction, as the general path's from its call (emulation.called): the
+// path's own work before its MPI calls is real work, overlapped by the modelled time as the
+// real transfer is, not added to it.
 class Paced {
    public:
     // The hooks are held from here: the settings may change meanwhile.
-    explicit Paced(const Link& hooks) : enter_(Py_XNewRef(hooks.enter)), leave_(Py_XNewRef(hooks.leave)) {}
+    explicit Paced(const Link& hooks);
     bool begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes);
     bool end();
 
    private:
     Ref enter_, leave_, entry_;
+    double issued_ = 0.0;
 };
 
 // The engine's token for one compiled call (this path's and partial_now's), given back when

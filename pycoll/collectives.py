@@ -726,8 +726,8 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
 # Mismatch checks (ranks compare what they submit) and the timeline and report happen on
 # the general path only. Under --link the short path runs between the emulation's enter
 # and leave, as the general path's collectives do.
-def _short_path_enter(kind: str, group, nbytes: int):
-    return emulation.enter(kind, runtime.resolve(group).comm, nbytes)
+def _short_path_enter(kind: str, group, nbytes: int, issued: float):
+    return emulation.enter(kind, runtime.resolve(group).comm, nbytes, issued)
 
 
 config.watch(lambda: _C.short_path_settings(not config.get("check") and not timeline.configured(),

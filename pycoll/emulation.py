@@ -12,9 +12,12 @@ passed, so overlap of communication with compute shows as it would on a network.
   paced by the group's slowest link. Each member writes its entry (time, link, bytes) to
   a shared-memory file before the real collective and reads the others' after it, so
   every member computes the same start (the latest entry) and cost and they leave
-  together. The C short path runs under a link too, calling ``enter`` and ``leave``
-  around its MPI calls (collectives.py hands them over), so a small collective costs
-  its model plus a wake-up, not the general path's Python.
+  together. A member's entry is when it called the collective (the general path stamps
+  it with ``called``/``timed``, the compiled paths' ``Paced`` in C), so pycoll's own
+  work before the MPI calls runs under the modelled time as the real transfer does. The
+  C short path runs under a link too, calling ``enter`` and ``leave`` around its MPI
+  calls (collectives.py hands them over), so a small collective costs its model plus a
+  wake-up, not the general path's Python.
 - Point-to-point messages (partial all-reduce's ring, the parameter server, torch
   send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
   for egress and one for ingress. A sender puts a message on its egress when it posts
@@ -232,8 +235,12 @@ def sleep_until(deadline: float) -> None:
         time.sleep(left - SPIN_S)
     if counting:
         before, awake = _core_waits.woke(deadline, before)
-    while time.monotonic() < deadline:
+    now = time.monotonic()
+    while now < deadline:
+        if counting:            # the latest instant on a core before the deadline: the
+            before, awake = _run_delay(), now   # wait for a core since then came after it
         os.sched_yield()                 # yields the GIL, and the core to whoever waits
+        now = time.monotonic()
     if counting:
         _core_waits.woke(deadline, before, awake)
 
@@ -466,7 +473,8 @@ def enter(kind: str, comm, nbytes: int, issued: float = math.inf,
     """Before collective ``kind`` on ``comm`` (among its ranks ``members`` if given): this
     rank's entry (when it was issued, but not before this rank's previous one ended; its
     link, its bytes) where the other members can read it, for ``leave``; None for a group
-    of one. The C short path calls it (and ``leave``) around its MPI calls under a link."""
+    of one. The C short path calls it (and ``leave``) around its MPI calls under a link,
+    ``issued`` the time of its call."""
     now = time.monotonic()
     if (comm.Get_size() if members is None else len(members)) <= 1:
         return None

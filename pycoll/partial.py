@@ -345,9 +345,9 @@ def _read_settings() -> None:
                         *((_link_enter, emulation.leave) if _settings.link else ()))
 
 
-def _link_enter(kind: str, members: Tuple[int, ...], nbytes: int):
+def _link_enter(kind: str, members: Tuple[int, ...], nbytes: int, issued: float):
     """The compiled entry's ``emulation.enter`` for a round of ``members`` (as ``_plan``'s)."""
-    return emulation.enter(kind, _state().comm, nbytes, members=members)
+    return emulation.enter(kind, _state().comm, nbytes, issued, members)
 
 
 _settings: _Settings

@@ -339,6 +339,36 @@ def test_the_short_path_runs_under_a_link_and_costs_its_model(link, settings, ki
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["allreduce", "allgather", "partial"])
+def test_the_compiled_paths_charge_the_model_from_the_call(link, settings, monkeypatch, kind):
+    """Default configuration (no checks): the compiled paths' model runs from the call, as
+    the general path's does, not from when their own work before the MPI calls is done:
+    the entry's time is taken in C before the emulation's enter is even called."""
+    import pycoll
+    from pycoll import _C, partial
+    settings(check=False, partial_cache_after=0)
+    n = pycoll.size()
+    x = np.ones(4 * n, np.float32)
+    calls = {"allreduce": lambda: _C.allreduce_now(x, True, pycoll.Sum, None, None),
+             "allgather": lambda: _C.allgather_now(x, None, None, None),
+             "partial": lambda: _C.partial_now(x, True, list(range(n)), pycoll.Sum, None)}
+    partial._state()                                # bound as by a first call
+    seen, enter = [], emulation.enter
+
+    def spy(*args, **kwargs):
+        hooked = time.monotonic()
+        entry = enter(*args, **kwargs)
+        seen.append((hooked, entry[3][0]))          # (enter called, the model's start)
+        return entry
+    pycoll.barrier()
+    monkeypatch.setattr(emulation, "enter", spy)
+    called = time.monotonic()
+    assert calls[kind]() is not None, "the compiled path stepped aside under a link"
+    (hooked, start), = seen
+    assert called <= start < hooked, (called, start, hooked)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_per_rank_links_pace_the_group(link):
     import pycoll
     from mpi4py import MPI

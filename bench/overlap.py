@@ -124,7 +124,9 @@ def table(results, args) -> list:
                 mode=mode, link=link, schedule=s, step_s=r["step_s"], compute_s=compute,
                 comm_s=comm, exposed_s=r["exposed_s"], efficiency=compute / r["step_s"],
                 partitions=r["partitions"], predicted_s=r["predicted_s"], alpha_s=r["alpha_s"],
-                cpu_s=r["cpu_s"],
+                cpu_s=r["cpu_s"], cpu_step_s=r["cpu_step_s"],
+                server_cpu_step_s=r["server_cpu_step_s"],
+                local_cpu_step_s=by["local"]["cpu_step_s"],
                 vs_default=by["default"]["step_s"] / r["step_s"],
                 vs_layerwise=by["layerwise"]["step_s"] / r["step_s"],
                 over_bound=r["step_s"] / bound, ceiling=serial(mode, compute, comm) / bound))
@@ -154,32 +156,35 @@ def main():
     links = args.link or list(LINKS)
     if args.quick:
         args.steps, args.rounds = 10, 1
+    load = os.getloadavg()[0]
     results = {(mode, link): run(mode, link, args)
                for mode in args.modes.split(",") for link in links}
     rows = table(results, args)
     print(f"{args.workers} workers ({args.servers} server(s) for ps), {args.steps} steps, "
-          f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link)")
+          f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link); "
+          f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     for (mode, link), by in results.items():
         r = next(r for r in rows if (r["mode"], r["link"]) == (mode, link))
         print(f"  {mode} {link}: {sizing(mode, link, args)[0]:.3f} ms per small layer, "
               f"width {sizing(mode, link, args)[1]}, "
               f"{by['default']['bytes'] / 2**20:.2f} MiB of parameters, "
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
-              f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
+              f"communication {1e3 * r['comm_s']:.1f} ms/step (link model); real CPU "
+              f"{1e3 * r['local_cpu_step_s']:.1f} ms/step per worker with no communication")
     print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
           f"{'eff':>5} {'parts':>5} {'model':>6} {'alpha':>5} {'cpu':>5} {'vs dflt':>7} "
-          f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7}")
+          f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7} {'w cpu':>6} {'s cpu':>6}")
     for r in rows:
         print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
               f"{1e3 * r['predicted_s']:6.1f} {1e3 * r['alpha_s']:5.2f} {1e3 * r['cpu_s']:5.2f} "
               f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f} "
-              f"{r['ceiling']:7.2f}")
+              f"{r['ceiling']:7.2f} {1e3 * r['cpu_step_s']:6.1f} {1e3 * r['server_cpu_step_s']:6.1f}")
     print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15; "
           "ceiling: default's serial step by the model / bound, the most any schedule gains")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "overlap.json"), "w") as f:
-        json.dump(dict(rows=rows, args=vars(args)), f, indent=1)
+        json.dump(dict(rows=rows, args=vars(args), load=[load, os.getloadavg()[0]]), f, indent=1)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

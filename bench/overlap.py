@@ -12,21 +12,32 @@ early in backward and needed late in forward, the overlap those papers exploit.
 ``--layout middle`` puts them mid-way, where neither backward nor forward has much
 compute left to hide their transfer behind.
 
-Each point's model is sized so that a step's compute (nominal: the sleeps) equals its
-communication by the link model, where overlap pays most: the issue's question is
-whether a schedule hides communication, and only where the two are equal does hiding
-all of it halve the step (allreduce) or more (the PS); with either much larger, every
-schedule is near the bound. With ``--width`` (the large layers', 4096 by default) the
-small layer's forward is set to balance the link; where that would be under ``MIN_MS``
-(below it the hooks' own CPU time on a busy machine is not small beside it), it stays at
-``MIN_MS`` and the large layers are widened instead until their bytes balance that
-compute. With the defaults, 1 Gb/s keeps width 4096 (2.41 MiB; 0.30 ms per small layer
-for allreduce, 0.79 ms for the PS) and 10 Gb/s widens it (0.25 ms per small layer, 25.5
-ms of compute a step: 20.0 MiB for allreduce, whose ring moves 1.5x the bytes through
-each link, 7.6 MiB for the PS, whose server link carries every worker's bytes each way).
-``--fixed-width`` keeps ``--width`` at every point (compute then outweighs the 10 Gb/s
-link: the runs before 2026-11-24's fourth pass). ``--ms`` fixes a small layer's forward
-(and the width).
+Sizing, per point (``sizing``): a step's nominal compute (the sleeps: a small layer's
+forward ``ms``, a large one's 4 ``ms``, backward twice forward, so 3 x 34 ``ms`` a step
+with 24 small layers) is set equal to the link model's communication for the model's
+bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS: every worker's
+bytes through the servers' links, one direction). Only where the two are equal does
+hiding all communication halve the step (allreduce) or more (the PS, whose pulls follow
+all pushes); with either much larger every schedule is near the bound. The large
+layers' width is ``--width`` (4096) unless that would need ``ms`` under ``MIN_MS`` (0.25
+ms; below it the hooks' own CPU time is not small beside it): then ``ms`` is
+``MIN_MS`` and the two large layers are widened until their bytes take that compute on
+the link. With the defaults: allreduce 10 Gb/s 64x39887 (20.03 MiB, 25.5 ms each way),
+allreduce 1 Gb/s 64x4096 (2.41 MiB; 0.301 ms, 30.7 ms), PS 10 Gb/s 64x14603 (7.59 MiB,
+25.5 ms), PS 1 Gb/s 64x4096 (2.41 MiB; 0.795 ms, 81.1 ms). ``--fixed-width`` keeps
+``--width`` at every point (the runs before 2026-11-24's fourth pass: compute then
+outweighs the 10 Gb/s links); ``--ms`` fixes ``ms`` (and the width).
+
+Honest emulation: the sleeps burn no CPU, so the 2 shared cores must not stand in for
+the cluster's compute. The model's real work is kept small (examples/overlap_train.py:
+one-row batches through matrix-vector kernels, one autograd node per layer, a fused
+optimizer) and measured: "w cpu" is a worker's real CPU per step (every thread,
+``time.process_time``; the workers' mean) and "s cpu" the server's, and each point's
+line gives it with no communication. What remains is mostly communication's own CPU
+(MPI's copies, the engine, the PS threads' polling) and, per step, 84 wake-ups from the
+sleeps (20-80 us of CPU each on this VM); at allreduce 10 Gb/s the real allreduce of 20
+MiB on 4 ranks sharing 2 cores takes longer than the emulated link, so that point
+measures this machine as much as the link.
 
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
@@ -34,7 +45,7 @@ iPart's step by its own model (calibrated to the profiled steps) with the alpha 
 (per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
 overlap bound, and the ceiling of any schedule's gain over default (default's serial
 step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
-whose pulls follow all pushes). Compute is the step time of the same training with no
+whose pulls follow all pushes), and the real CPU per step. Compute is the step time of the same training with no
 communication, measured in the same job on every rank at once; communication is the
 link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
 worker's bytes through the servers' links, one direction); the bound is their maximum.

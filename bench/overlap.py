@@ -12,32 +12,41 @@ early in backward and needed late in forward, the overlap those papers exploit.
 ``--layout middle`` puts them mid-way, where neither backward nor forward has much
 compute left to hide their transfer behind.
 
-Sizing, per point (``sizing``): a step's nominal compute (the sleeps: a small layer's
-forward ``ms``, a large one's 4 ``ms``, backward twice forward, so 3 x 34 ``ms`` a step
-with 24 small layers) is set equal to the link model's communication for the model's
-bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS: every worker's
-bytes through the servers' links, one direction). Only where the two are equal does
-hiding all communication halve the step (allreduce) or more (the PS, whose pulls follow
-all pushes); with either much larger every schedule is near the bound. The large
-layers' width is ``--width`` (4096) unless that would need ``ms`` under ``MIN_MS`` (0.25
-ms; below it the hooks' own CPU time is not small beside it): then ``ms`` is
-``MIN_MS`` and the two large layers are widened until their bytes take that compute on
-the link. With the defaults: allreduce 10 Gb/s 64x39887 (20.03 MiB, 25.5 ms each way),
-allreduce 1 Gb/s 64x4096 (2.41 MiB; 0.301 ms, 30.7 ms), PS 10 Gb/s 64x14603 (7.59 MiB,
-25.5 ms), PS 1 Gb/s 64x4096 (2.41 MiB; 0.795 ms, 81.1 ms). ``--fixed-width`` keeps
-``--width`` at every point (the runs before 2026-11-24's fourth pass: compute then
-outweighs the 10 Gb/s links); ``--ms`` fixes ``ms`` (and the width).
+Sizing, per point (``sizing``), in the cluster's time: a step's nominal compute (the
+sleeps: a small layer's forward ``ms``, a large one's 4 ``ms``, backward twice forward,
+so 3 x 34 ``ms`` a step with 24 small layers) equals the link model's communication for
+the model's bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS: every
+worker's bytes through the servers' links, one direction). Only where the two are equal
+does hiding all communication halve the step (allreduce) or more (the PS, whose pulls
+follow all pushes); with either much larger every schedule is near the bound. The model
+is the same at every point (large layers 64 x ``--width``, 4096: 2.41 MiB), so a fast
+link means little compute per layer beside the link's latency: allreduce 10 Gb/s 0.033
+ms per small layer (3.3 ms of compute and of communication a step), 1 Gb/s 0.301 ms
+(30.7 ms); PS 10 Gb/s 0.080 ms (8.2 ms), 1 Gb/s 0.795 ms (81.1 ms).
 
-Honest emulation: the sleeps burn no CPU, so the 2 shared cores must not stand in for
-the cluster's compute. The model's real work is kept small (examples/overlap_train.py:
-one-row batches through matrix-vector kernels, one autograd node per layer, a fused
-optimizer) and measured: "w cpu" is a worker's real CPU per step (every thread,
-``time.process_time``; the workers' mean) and "s cpu" the server's, and each point's
-line gives it with no communication. What remains is mostly communication's own CPU
-(MPI's copies, the engine, the PS threads' polling) and, per step, 84 wake-ups from the
-sleeps (20-80 us of CPU each on this VM); at allreduce 10 Gb/s the real allreduce of 20
-MiB on 4 ranks sharing 2 cores takes longer than the emulated link, so that point
-measures this machine as much as the link.
+Time dilation (``--sizing dilate``, the default): the sleeps burn no CPU, but the real
+work (the hooks, autograd, MPI's copies, the engine, the PS threads) does, on 2 cores
+shared by every rank, and does not scale with the cluster's time; sub-millisecond steps
+would measure this machine, not the cluster. So each point runs k times slower than the
+cluster, k = ``REAL_MS`` / ``ms`` (at least 1): every sleep k times longer, the link's
+latency k times longer and its bandwidth k times lower (``dilated``). Every ratio of the
+cluster (compute to communication, latency to bytes, hence every schedule's speedup and
+step / bound) is kept, a small layer sleeps at least ``REAL_MS`` (1 ms) on this machine,
+and the real CPU is small beside the emulated compute: k = 30.6, 3.3, 12.5, 1.26 at the
+four points, whose steps then all take 102 ms of compute and 102 ms of link time (the
+times printed are this machine's, k times the cluster's). The real work is also kept
+small (examples/overlap_train.py: one-row batches through matrix-vector kernels, one
+autograd node per layer, a fused optimizer) and measured: "w cpu" is a worker's real
+CPU per step (every thread, ``time.process_time``; the workers' mean), "s cpu" the
+server's, and each point's line gives the workers' with no communication.
+
+The sizings before (``--sizing widen``, 2026-11-24's fourth pass): no dilation; ``ms``
+at least ``MIN_MS`` (0.25) and, where that binds (10 Gb/s), the large layers widened
+until their bytes take that compute on the link (allreduce 64x39887, 20.03 MiB; PS
+64x14603, 7.59 MiB). Their real CPU per step matched or exceeded the slept compute (the
+20 MiB allreduce of 4 ranks on 2 cores took longer than the emulated link). ``--sizing
+fixed`` (before the fourth pass) keeps ``--width`` with ``ms`` at least ``MIN_MS``, so
+compute outweighs the 10 Gb/s links. ``--ms`` fixes ``ms`` (and the width), undilated.
 
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
@@ -62,7 +71,8 @@ from pycoll.emulation import collective_time, parse_link
 
 SCHEDULES = ("default", "layerwise", "ipart")
 LINKS = ("50us,1.25GB/s", "50us,125MB/s")            # 10 Gb/s and 1 Gb/s
-MIN_MS = 0.25
+MIN_MS = 0.25           # --sizing widen / fixed: a small layer's least forward, cluster ms
+REAL_MS = 1.0           # --sizing dilate: a small layer's least forward on this machine, ms
 
 
 def model_bytes(small: int, width: int) -> int:
@@ -71,38 +81,47 @@ def model_bytes(small: int, width: int) -> int:
 
 
 def sizing(mode, link, args):
-    """(a small layer's forward in ms, the large layers' width) of a point: a step's
-    compute (3 forwards' worth: one forward, a backward of two) equals its communication
-    by the link model (see the docstring); or ``--ms`` and ``--width``."""
+    """(a small layer's forward in cluster ms, the large layers' width, the dilation) of
+    a point (see the docstring's sizing), or ``--ms`` and ``--width`` undilated."""
     if args.ms:
-        return args.ms, args.width
+        return args.ms, args.width, 1.0
     forwards = args.small + 2 + 2 * 4          # small layers count 1, large ones 4
-    compute = 3 * forwards * MIN_MS / 1e3      # at the floor
 
     def comm(width):
         return communication(mode, link, model_bytes(args.small, width), args)
-    if getattr(args, "fixed_width", False) or comm(args.width) >= compute:
-        return max(MIN_MS, 1e3 * comm(args.width) / (3 * forwards)), args.width
+    balanced = 1e3 * comm(args.width) / (3 * forwards)
+    if args.sizing == "dilate":
+        return balanced, args.width, max(1.0, REAL_MS / balanced)
+    compute = 3 * forwards * MIN_MS / 1e3      # at the floor
+    if args.sizing == "fixed" or comm(args.width) >= compute:
+        return max(MIN_MS, balanced), args.width, 1.0
     low, high = args.width, 2 * args.width     # comm grows with the width: bisect
     while comm(high) < compute:
         low, high = high, 2 * high
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if comm(middle) < compute else (low, middle)
-    return MIN_MS, high
+    return MIN_MS, high, 1.0
+
+
+def dilated(link: str, k: float) -> str:
+    """``link`` slowed ``k`` times: latency times k, bandwidth over k."""
+    latency, bandwidth = parse_link(link).default
+    return f"{latency * k * 1e6:.6g}us,{bandwidth / k:.6g}B/s"
 
 
 def run(mode, link, args) -> dict:
-    """One job: every schedule (after "local"), ``--rounds`` times; {schedule: row}."""
+    """One job: every schedule (after "local"), ``--rounds`` times; {schedule: row}, each
+    row with the point's ``dilation`` (its times are the machine's, k times the cluster's)."""
     ps = mode == "ps"
-    flags = ["--link", link] + (["--servers", str(args.servers)] if ps else [])
+    ms, width, k = sizing(mode, link, args)
+    flags = ["--link", dilated(link, k)] + (["--servers", str(args.servers)] if ps else [])
     ranks = args.workers + (args.servers if ps else 0)
-    ms, width = sizing(mode, link, args)
     out = run_job(ranks, "overlap_train.py",
                   ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
-                   "--width", width, "--ms", f"{ms:.4f}", "--layout", args.layout]
+                   "--width", width, "--ms", f"{ms * k:.4f}", "--layout", args.layout]
                   + (["--ps"] if ps else []), flags=flags)
-    rows = {row["schedule"]: row for row in out["rows"]}
+    rows = {row["schedule"]: dict(row, dilation=k) for row in out["rows"]}
     if rows["default"]["bytes"] != model_bytes(args.small, width):
         raise RuntimeError("bench/overlap.py: model_bytes() no longer matches "
                            "examples/overlap_train.py's model; update it")
@@ -127,7 +146,8 @@ def table(results, args) -> list:
     rows = []
     for (mode, link), by in results.items():
         compute = by["local"]["step_s"]
-        comm = communication(mode, link, by["default"]["bytes"], args)
+        k = by["default"]["dilation"]           # the link ran k times slower: alpha and beta
+        comm = k * communication(mode, link, by["default"]["bytes"], args)
         bound = max(compute, comm)
         for s in SCHEDULES:
             r = by[s]
@@ -154,9 +174,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
     parser.add_argument("--small", type=int, default=24)
     parser.add_argument("--width", type=int, default=4096,
-                        help="the large layers' (widened where the link is fast: see above)")
-    parser.add_argument("--fixed-width", action="store_true",
-                        help="keep --width at every link (compute then outweighs fast links)")
+                        help="the large layers' (widened by --sizing widen: see above)")
+    parser.add_argument("--sizing", choices=("dilate", "widen", "fixed"), default="dilate",
+                        help="dilate: time slowed until a small layer sleeps REAL_MS; widen: "
+                             "the large layers widened where MIN_MS binds (before 2026-11-24's "
+                             "fifth pass); fixed: --width everywhere (before the fourth)")
     parser.add_argument("--layout", choices=("end", "middle"), default="end",
                         help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
@@ -176,9 +198,10 @@ def main():
           f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     for (mode, link), by in results.items():
         r = next(r for r in rows if (r["mode"], r["link"]) == (mode, link))
-        print(f"  {mode} {link}: {sizing(mode, link, args)[0]:.3f} ms per small layer, "
-              f"width {sizing(mode, link, args)[1]}, "
-              f"{by['default']['bytes'] / 2**20:.2f} MiB of parameters, "
+        ms, width, k = sizing(mode, link, args)
+        print(f"  {mode} {link}: width {width}, {by['default']['bytes'] / 2**20:.2f} MiB of "
+              f"parameters, {ms:.3f} ms per small layer; dilation {k:.2f} (ran as "
+              f"{dilated(link, k)}, {ms * k:.3f} ms; the times below are this machine's); "
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
               f"communication {1e3 * r['comm_s']:.1f} ms/step (link model); real CPU "
               f"{1e3 * r['local_cpu_step_s']:.1f} ms/step per worker with no communication")

@@ -30,8 +30,8 @@ class _Layer(torch.autograd.Function):
     """relu(W x + b) for one row x, then ``seconds`` of sleep (2x in backward): the
     compute a cluster node does, emulated. Matrix-vector kernels and one autograd node
     per layer keep the real CPU small beside the sleep, even for a wide weight: a read
-    of the weight and a write of its whole gradient (a batch of 16 through ``Linear``
-    cost 1.7x the CPU at 20 MiB)."""
+    of the weight and a write of its whole gradient (16-row batches through ``Linear``
+    and an unfused SGD, before: 1.7x the CPU at 20 MiB)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, seconds):

@@ -54,8 +54,9 @@ iPart's step by its own model (calibrated to the profiled steps) with the alpha 
 (per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
 overlap bound, and the ceiling of any schedule's gain over default (default's serial
 step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
-whose pulls follow all pushes), and the real CPU per step. Compute is the step time of the same training with no
-communication, measured in the same job on every rank at once; communication is the
+whose pulls follow all pushes), and the real CPU per step. Compute is the step time of
+the same training with no communication, measured in the same job on every rank at
+once; communication is the
 link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
 worker's bytes through the servers' links, one direction); the bound is their maximum.
 Writes bench/results/overlap.json and overlap.png.
@@ -213,7 +214,8 @@ def main():
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
               f"{1e3 * r['predicted_s']:6.1f} {1e3 * r['alpha_s']:5.2f} {1e3 * r['cpu_s']:5.2f} "
               f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f} "
-              f"{r['ceiling']:7.2f} {1e3 * r['cpu_step_s']:6.1f} {1e3 * r['server_cpu_step_s']:6.1f}")
+              f"{r['ceiling']:7.2f} {1e3 * r['cpu_step_s']:6.1f} "
+              f"{1e3 * r['server_cpu_step_s']:6.1f}")
     print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15; "
           "ceiling: default's serial step by the model / bound, the most any schedule gains")
     os.makedirs(args.out, exist_ok=True)

@@ -56,9 +56,9 @@ overlap bound, and the ceiling of any schedule's gain over default (default's se
 step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
 whose pulls follow all pushes), and the real CPU per step. Compute is the step time of
 the same training with no communication, measured in the same job on every rank at
-once; communication is the
-link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
-worker's bytes through the servers' links, one direction); the bound is their maximum.
+once; communication is the link model's time for a step's bytes (allreduce: the
+emulated ring's cost; PS: every worker's bytes through the servers' links, one
+direction), times the dilation; the bound is their maximum.
 Writes bench/results/overlap.json and overlap.png.
 """
 import argparse

@@ -12,21 +12,41 @@ early in backward and needed late in forward, the overlap those papers exploit.
 ``--layout middle`` puts them mid-way, where neither backward nor forward has much
 compute left to hide their transfer behind.
 
-Each point's model is sized so that a step's compute (nominal: the sleeps) equals its
-communication by the link model, where overlap pays most: the issue's question is
-whether a schedule hides communication, and only where the two are equal does hiding
-all of it halve the step (allreduce) or more (the PS); with either much larger, every
-schedule is near the bound. With ``--width`` (the large layers', 4096 by default) the
-small layer's forward is set to balance the link; where that would be under ``MIN_MS``
-(below it the hooks' own CPU time on a busy machine is not small beside it), it stays at
-``MIN_MS`` and the large layers are widened instead until their bytes balance that
-compute. With the defaults, 1 Gb/s keeps width 4096 (2.41 MiB; 0.30 ms per small layer
-for allreduce, 0.79 ms for the PS) and 10 Gb/s widens it (0.25 ms per small layer, 25.5
-ms of compute a step: 20.0 MiB for allreduce, whose ring moves 1.5x the bytes through
-each link, 7.6 MiB for the PS, whose server link carries every worker's bytes each way).
-``--fixed-width`` keeps ``--width`` at every point (compute then outweighs the 10 Gb/s
-link: the runs before 2026-11-24's fourth pass). ``--ms`` fixes a small layer's forward
-(and the width).
+Sizing, per point (``sizing``), in the cluster's time: a step's nominal compute (the
+sleeps: a small layer's forward ``ms``, a large one's 4 ``ms``, backward twice forward,
+so 3 x 34 ``ms`` a step with 24 small layers) equals the link model's communication for
+the model's bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS: every
+worker's bytes through the servers' links, one direction). Only where the two are equal
+does hiding all communication halve the step (allreduce) or more (the PS, whose pulls
+follow all pushes); with either much larger every schedule is near the bound. The model
+is the same at every point (large layers 64 x ``--width``, 4096: 2.41 MiB), so a fast
+link means little compute per layer beside the link's latency: allreduce 10 Gb/s 0.033
+ms per small layer (3.3 ms of compute and of communication a step), 1 Gb/s 0.301 ms
+(30.7 ms); PS 10 Gb/s 0.080 ms (8.2 ms), 1 Gb/s 0.795 ms (81.1 ms).
+
+Time dilation (``--sizing dilate``, the default): the sleeps burn no CPU, but the real
+work (the hooks, autograd, MPI's copies, the engine, the PS threads) does, on 2 cores
+shared by every rank, and does not scale with the cluster's time; sub-millisecond steps
+would measure this machine, not the cluster. So each point runs k times slower than the
+cluster, k = ``REAL_MS`` / ``ms`` (at least 1): every sleep k times longer, the link's
+latency k times longer and its bandwidth k times lower (``dilated``). Every ratio of the
+cluster (compute to communication, latency to bytes, hence every schedule's speedup and
+step / bound) is kept, a small layer sleeps at least ``REAL_MS`` (1 ms) on this machine,
+and the real CPU is small beside the emulated compute: k = 30.6, 3.3, 12.5, 1.26 at the
+four points, whose steps then all take 102 ms of compute and 102 ms of link time (the
+times printed are this machine's, k times the cluster's). The real work is also kept
+small (examples/overlap_train.py: one-row batches through matrix-vector kernels, one
+autograd node per layer, a fused optimizer) and measured: "w cpu" is a worker's real
+CPU per step (every thread, ``time.process_time``; the workers' mean), "s cpu" the
+server's, and each point's line gives the workers' with no communication.
+
+The sizings before (``--sizing widen``, 2026-11-24's fourth pass): no dilation; ``ms``
+at least ``MIN_MS`` (0.25) and, where that binds (10 Gb/s), the large layers widened
+until their bytes take that compute on the link (allreduce 64x39887, 20.03 MiB; PS
+64x14603, 7.59 MiB). Their real CPU per step matched or exceeded the slept compute (the
+20 MiB allreduce of 4 ranks on 2 cores took longer than the emulated link). ``--sizing
+fixed`` (before the fourth pass) keeps ``--width`` with ``ms`` at least ``MIN_MS``, so
+compute outweighs the 10 Gb/s links. ``--ms`` fixes ``ms`` (and the width), undilated.
 
 Prints per schedule the median step time, the exposed communication per step, the
 scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions and
@@ -34,10 +54,11 @@ iPart's step by its own model (calibrated to the profiled steps) with the alpha 
 (per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
 overlap bound, and the ceiling of any schedule's gain over default (default's serial
 step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
-whose pulls follow all pushes). Compute is the step time of the same training with no
-communication, measured in the same job on every rank at once; communication is the
-link model's time for a step's bytes (allreduce: the emulated ring's cost; PS: every
-worker's bytes through the servers' links, one direction); the bound is their maximum.
+whose pulls follow all pushes), and the real CPU per step. Compute is the step time of
+the same training with no communication, measured in the same job on every rank at
+once; communication is the link model's time for a step's bytes (allreduce: the
+emulated ring's cost; PS: every worker's bytes through the servers' links, one
+direction), times the dilation; the bound is their maximum.
 Writes bench/results/overlap.json and overlap.png.
 """
 import argparse
@@ -51,7 +72,8 @@ from pycoll.emulation import collective_time, parse_link
 
 SCHEDULES = ("default", "layerwise", "ipart")
 LINKS = ("50us,1.25GB/s", "50us,125MB/s")            # 10 Gb/s and 1 Gb/s
-MIN_MS = 0.25
+MIN_MS = 0.25           # --sizing widen / fixed: a small layer's least forward, cluster ms
+REAL_MS = 1.0           # --sizing dilate: a small layer's least forward on this machine, ms
 
 
 def model_bytes(small: int, width: int) -> int:
@@ -60,38 +82,47 @@ def model_bytes(small: int, width: int) -> int:
 
 
 def sizing(mode, link, args):
-    """(a small layer's forward in ms, the large layers' width) of a point: a step's
-    compute (3 forwards' worth: one forward, a backward of two) equals its communication
-    by the link model (see the docstring); or ``--ms`` and ``--width``."""
+    """(a small layer's forward in cluster ms, the large layers' width, the dilation) of
+    a point (see the docstring's sizing), or ``--ms`` and ``--width`` undilated."""
     if args.ms:
-        return args.ms, args.width
+        return args.ms, args.width, 1.0
     forwards = args.small + 2 + 2 * 4          # small layers count 1, large ones 4
-    compute = 3 * forwards * MIN_MS / 1e3      # at the floor
 
     def comm(width):
         return communication(mode, link, model_bytes(args.small, width), args)
-    if getattr(args, "fixed_width", False) or comm(args.width) >= compute:
-        return max(MIN_MS, 1e3 * comm(args.width) / (3 * forwards)), args.width
+    balanced = 1e3 * comm(args.width) / (3 * forwards)
+    if args.sizing == "dilate":
+        return balanced, args.width, max(1.0, REAL_MS / balanced)
+    compute = 3 * forwards * MIN_MS / 1e3      # at the floor
+    if args.sizing == "fixed" or comm(args.width) >= compute:
+        return max(MIN_MS, balanced), args.width, 1.0
     low, high = args.width, 2 * args.width     # comm grows with the width: bisect
     while comm(high) < compute:
         low, high = high, 2 * high
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if comm(middle) < compute else (low, middle)
-    return MIN_MS, high
+    return MIN_MS, high, 1.0
+
+
+def dilated(link: str, k: float) -> str:
+    """``link`` slowed ``k`` times: latency times k, bandwidth over k."""
+    latency, bandwidth = parse_link(link).default
+    return f"{latency * k * 1e6:.6g}us,{bandwidth / k:.6g}B/s"
 
 
 def run(mode, link, args) -> dict:
-    """One job: every schedule (after "local"), ``--rounds`` times; {schedule: row}."""
+    """One job: every schedule (after "local"), ``--rounds`` times; {schedule: row}, each
+    row with the point's ``dilation`` (its times are the machine's, k times the cluster's)."""
     ps = mode == "ps"
-    flags = ["--link", link] + (["--servers", str(args.servers)] if ps else [])
+    ms, width, k = sizing(mode, link, args)
+    flags = ["--link", dilated(link, k)] + (["--servers", str(args.servers)] if ps else [])
     ranks = args.workers + (args.servers if ps else 0)
-    ms, width = sizing(mode, link, args)
     out = run_job(ranks, "overlap_train.py",
                   ["--steps", args.steps, "--rounds", args.rounds, "--small", args.small,
-                   "--width", width, "--ms", f"{ms:.4f}", "--layout", args.layout]
+                   "--width", width, "--ms", f"{ms * k:.4f}", "--layout", args.layout]
                   + (["--ps"] if ps else []), flags=flags)
-    rows = {row["schedule"]: row for row in out["rows"]}
+    rows = {row["schedule"]: dict(row, dilation=k) for row in out["rows"]}
     if rows["default"]["bytes"] != model_bytes(args.small, width):
         raise RuntimeError("bench/overlap.py: model_bytes() no longer matches "
                            "examples/overlap_train.py's model; update it")
@@ -116,7 +147,8 @@ def table(results, args) -> list:
     rows = []
     for (mode, link), by in results.items():
         compute = by["local"]["step_s"]
-        comm = communication(mode, link, by["default"]["bytes"], args)
+        k = by["default"]["dilation"]           # the link ran k times slower: alpha and beta
+        comm = k * communication(mode, link, by["default"]["bytes"], args)
         bound = max(compute, comm)
         for s in SCHEDULES:
             r = by[s]
@@ -124,7 +156,9 @@ def table(results, args) -> list:
                 mode=mode, link=link, schedule=s, step_s=r["step_s"], compute_s=compute,
                 comm_s=comm, exposed_s=r["exposed_s"], efficiency=compute / r["step_s"],
                 partitions=r["partitions"], predicted_s=r["predicted_s"], alpha_s=r["alpha_s"],
-                cpu_s=r["cpu_s"],
+                cpu_s=r["cpu_s"], cpu_step_s=r["cpu_step_s"],
+                server_cpu_step_s=r["server_cpu_step_s"],
+                local_cpu_step_s=by["local"]["cpu_step_s"],
                 vs_default=by["default"]["step_s"] / r["step_s"],
                 vs_layerwise=by["layerwise"]["step_s"] / r["step_s"],
                 over_bound=r["step_s"] / bound, ceiling=serial(mode, compute, comm) / bound))
@@ -141,9 +175,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
     parser.add_argument("--small", type=int, default=24)
     parser.add_argument("--width", type=int, default=4096,
-                        help="the large layers' (widened where the link is fast: see above)")
-    parser.add_argument("--fixed-width", action="store_true",
-                        help="keep --width at every link (compute then outweighs fast links)")
+                        help="the large layers' (widened by --sizing widen: see above)")
+    parser.add_argument("--sizing", choices=("dilate", "widen", "fixed"), default="dilate",
+                        help="dilate: time slowed until a small layer sleeps REAL_MS; widen: "
+                             "the large layers widened where MIN_MS binds (before 2026-11-24's "
+                             "fifth pass); fixed: --width everywhere (before the fourth)")
     parser.add_argument("--layout", choices=("end", "middle"), default="end",
                         help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
@@ -154,32 +190,37 @@ def main():
     links = args.link or list(LINKS)
     if args.quick:
         args.steps, args.rounds = 10, 1
+    load = os.getloadavg()[0]
     results = {(mode, link): run(mode, link, args)
                for mode in args.modes.split(",") for link in links}
     rows = table(results, args)
     print(f"{args.workers} workers ({args.servers} server(s) for ps), {args.steps} steps, "
-          f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link)")
+          f"median of {args.rounds} rounds; compute emulated (sleep), links emulated (--link); "
+          f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     for (mode, link), by in results.items():
         r = next(r for r in rows if (r["mode"], r["link"]) == (mode, link))
-        print(f"  {mode} {link}: {sizing(mode, link, args)[0]:.3f} ms per small layer, "
-              f"width {sizing(mode, link, args)[1]}, "
-              f"{by['default']['bytes'] / 2**20:.2f} MiB of parameters, "
+        ms, width, k = sizing(mode, link, args)
+        print(f"  {mode} {link}: width {width}, {by['default']['bytes'] / 2**20:.2f} MiB of "
+              f"parameters, {ms:.3f} ms per small layer; dilation {k:.2f} (ran as "
+              f"{dilated(link, k)}, {ms * k:.3f} ms; the times below are this machine's); "
               f"compute {1e3 * r['compute_s']:.1f} ms/step (measured, no communication), "
-              f"communication {1e3 * r['comm_s']:.1f} ms/step (link model)")
+              f"communication {1e3 * r['comm_s']:.1f} ms/step (link model); real CPU "
+              f"{1e3 * r['local_cpu_step_s']:.1f} ms/step per worker with no communication")
     print(f"{'mode':<9} {'link':<14} {'schedule':<9} {'step ms':>8} {'exposed':>8} "
           f"{'eff':>5} {'parts':>5} {'model':>6} {'alpha':>5} {'cpu':>5} {'vs dflt':>7} "
-          f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7}")
+          f"{'vs lw':>6} {'/bound':>6} {'ceiling':>7} {'w cpu':>6} {'s cpu':>6}")
     for r in rows:
         print(f"{r['mode']:<9} {r['link']:<14} {r['schedule']:<9} {1e3 * r['step_s']:8.1f} "
               f"{1e3 * r['exposed_s']:8.1f} {r['efficiency']:5.2f} {r['partitions']:5d} "
               f"{1e3 * r['predicted_s']:6.1f} {1e3 * r['alpha_s']:5.2f} {1e3 * r['cpu_s']:5.2f} "
               f"{r['vs_default']:7.2f} {r['vs_layerwise']:6.2f} {r['over_bound']:6.2f} "
-              f"{r['ceiling']:7.2f}")
+              f"{r['ceiling']:7.2f} {1e3 * r['cpu_step_s']:6.1f} "
+              f"{1e3 * r['server_cpu_step_s']:6.1f}")
     print("targets: ipart vs default >= 1.5, vs layerwise >= 1.2, step / bound <= 1.15; "
           "ceiling: default's serial step by the model / bound, the most any schedule gains")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "overlap.json"), "w") as f:
-        json.dump(dict(rows=rows, args=vars(args)), f, indent=1)
+        json.dump(dict(rows=rows, args=vars(args), load=[load, os.getloadavg()[0]]), f, indent=1)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

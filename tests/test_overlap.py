@@ -425,3 +425,32 @@ def test_schedules_refuse_what_they_cannot_do():
         hvd.DistributedOptimizer(sgd, model=model, schedule="layerwise", backward_passes_per_step=2)
     with pytest.raises(ValueError, match="not in the model"):
         hvd.DistributedOptimizer(sgd, model=torch.nn.Linear(2, 2), schedule="default")
+
+
+def test_bench_dilation_keeps_the_clusters_ratios_and_sleeps_at_least_real_ms():
+    """bench/overlap.py's sizing: compute = communication in the cluster's time; dilated,
+    a small layer sleeps at least REAL_MS and the link's cost grows by the same k."""
+    import argparse
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    try:
+        import overlap as bench
+    finally:
+        sys.path.pop(0)
+    args = argparse.Namespace(workers=4, servers=1, small=24, width=4096, ms=0.0, sizing="dilate")
+    forwards = 3 * (args.small + 2 + 2 * 4)
+    for mode in ("allreduce", "ps"):
+        for link in bench.LINKS:
+            ms, width, k = bench.sizing(mode, link, args)
+            comm = bench.communication(mode, link, bench.model_bytes(args.small, width), args)
+            assert width == args.width and forwards * ms / 1e3 == pytest.approx(comm)
+            assert k >= 1 and ms * k >= bench.REAL_MS * (1 - 1e-9)
+            slow = bench.communication(mode, bench.dilated(link, k),
+                                       bench.model_bytes(args.small, width), args)
+            assert slow == pytest.approx(k * comm, rel=1e-5)
+    fast = bench.LINKS[0]
+    args.sizing = "widen"                     # the fourth pass's: 0.25 ms, wide large layers
+    assert bench.sizing("allreduce", fast, args) == (bench.MIN_MS, 39887, 1.0)
+    args.sizing = "fixed"
+    assert bench.sizing("allreduce", fast, args)[1:] == (4096, 1.0)

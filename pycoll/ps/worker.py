@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C, timeline
+from .. import _C, config, timeline
 from ..work import wait_requests
 from ..tensors import as_buffer
 from ..work import CollectiveTimeout, Work
@@ -40,6 +40,9 @@ SLEEP_MIN, SLEEP_MAX = 20e-6, 5e-4
 # calls, and a longer sleep would stall them. A true yield (os.sched_yield) was slower:
 # 64 MiB push+pull over 2 servers 23-24 ms against 17.6-19.8 (bench/ps_throughput.py, 4
 # runs each, alternated): the spinning worker took the cores the servers copy on.
+# Not under --link: there the emulation holds a request well past its copy and wakes the
+# nap when it releases it, and the spin only took the cores from compute (the overlap
+# bench's worker at 1 Gb/s: about 20 ms of CPU a step, bench/overlap.py's w cpu).
 BIG = 256 << 10
 RETRY_MIN, RETRY_MAX = 5e-4, 4e-3        # SSP's refused pulls are sent again after this
 CANCEL_GRACE_S = 1.0                     # how long a cancelled request may take to complete
@@ -129,6 +132,7 @@ class Client:
         self._new: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._link = bool(config.get("link"))
         self._failed: Optional[BaseException] = None
         self._next_id = 0
         self._zombies: list = []        # cancelled requests not yet complete, and buffers
@@ -312,7 +316,8 @@ class Client:
             now = time.monotonic()
             if moved:
                 quiet_since = now
-            elif any(p.big and p.stage in ("sent", "data") for op in active for p in op.parts):
+            elif not self._link and any(p.big and p.stage in ("sent", "data")
+                                        for op in active for p in op.parts):
                 time.sleep(0)
             else:
                 wire.nap(now - quiet_since, SLEEP_MIN, SLEEP_MAX)

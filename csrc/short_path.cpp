@@ -180,7 +180,7 @@ struct Functions {
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
-    PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
+    PyObject* views = nullptr;        // views(flat, runs): flat cut into (count, shape) runs of views (grouped results)
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
     Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
@@ -210,7 +210,7 @@ struct World {
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *carry, *new_empty;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *ndim, *handle, *ranks, *carry, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
     PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
@@ -657,7 +657,7 @@ Token::~Token() {
 bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
-        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
+        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.ndim, "ndim"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
         {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
@@ -1142,6 +1142,43 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
     return m.route ? 0 : PyErr_Occurred() ? -1 : 1;
 }
 
+// The (count, shape) runs of consecutive tensors of one shape in xs, read as m, as a list
+// for fn.views; nullptr with an error. A 1-d tensor's shape is its byte size over the
+// itemsize, so only its ndim is read: a torch shape (a new torch.Size) costs twice that.
+PyObject* shape_runs(PyObject* xs, const Many& m) {
+    Ref runs(PyList_New(0));
+    std::vector<int64_t> dims, last;
+    Py_ssize_t count = 0;
+    auto flush = [&]() -> bool {
+        if (!count) return true;
+        Ref shape(PyTuple_New(static_cast<Py_ssize_t>(last.size())));
+        for (size_t d = 0; shape && d < last.size(); ++d) {
+            PyObject* extent = PyLong_FromLongLong(last[d]);
+            if (!extent) return false;
+            PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(d), extent);
+        }
+        Ref run(shape ? Py_BuildValue("(nO)", count, shape.get()) : nullptr);
+        return run && PyList_Append(runs.get(), run.get()) == 0;
+    };
+    for (Py_ssize_t i = 0; runs && i < PyList_GET_SIZE(xs); ++i) {
+        PyObject* x = PyList_GET_ITEM(xs, i);
+        Ref ndim(PyObject_GetAttr(x, s.ndim));
+        const long n = ndim ? PyLong_AsLong(ndim.get()) : -1;
+        if (n == 1)
+            dims.assign(1, static_cast<int64_t>(m.sizes[i]) / m.route->itemsize);
+        else if (PyErr_Occurred() || !dims_of(x, dims))
+            return nullptr;
+        if (count && dims == last) {
+            ++count;
+            continue;
+        }
+        if (!flush()) return nullptr;
+        last.swap(dims);
+        count = 1;
+    }
+    return runs && flush() ? runs.release() : nullptr;
+}
+
 PyObject* host_pointers(PyObject*, PyObject* xs) {
     Many m;
     if (int read = read_list(xs, Py_None, m)) return left(read);
@@ -1213,7 +1250,8 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
         if (!buffer) return nullptr;
         for (size_t i = 0, at = 0; i < dsts.size(); at += m.sizes[i++])
             dsts[i] = static_cast<char*>(flat.ptr) + at;
-        outs.reset(PyObject_CallFunctionObjArgs(fn.views, buffer.get(), xs, nullptr));
+        Ref runs(shape_runs(xs, m));
+        outs.reset(runs ? PyObject_CallFunctionObjArgs(fn.views, buffer.get(), runs.get(), nullptr) : nullptr);
     }
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);

@@ -244,10 +244,11 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
                                                 chunk_bytes):
     """A list that fuses into one group runs in _C. Odd ranks leave an async allreduce
     unsent first, so their grouped call takes the general path: both paths must cut it
-    into the same MPI calls. Results out of place are views of one new buffer."""
+    into the same MPI calls. Results out of place are views of one new buffer, cut by
+    runs of equal shapes (0-d and empty ones included)."""
     arg, rank, size = group
     settings(chunk_bytes=chunk_bytes)
-    shapes = [(5, 3), (700,), (1,), (2, 0), (30, 25), (4, 1, 2)]
+    shapes = [(5, 3), (700,), (1,), (1,), (2, 0), (30, 25), (30, 25), (4, 1, 2), (), (), (3,)]
     tensor = torch.tensor if kind == "torch" else np.array
 
     def inputs(fill):

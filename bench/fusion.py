@@ -266,7 +266,8 @@ def parts(case: Case) -> None:
                 "unpack+scale": cpu_ms(
                     lambda: _C.unpack(staging, ptrs, sizes, dtype, 0.5, 0, total)),
                 "scale": cpu_ms(lambda: _C.scale(staging, total // 4, dtype, 0.5)),
-                "new buffer+views": cpu_ms(lambda: tensors.views_like(xs, sizes))})
+                "new buffer+views": cpu_ms(
+                    lambda: tensors.views_like(xs[0], total, tensors.shape_runs(xs)))})
         for op in ("sum", "average"):
             for form in FORMS[1:]:
                 timed[f"{form} {op}"] = cpu_ms(case.form(form_name(form, op, kind)), 10, 5)

@@ -180,7 +180,7 @@ struct Functions {
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
-    PyObject* views = nullptr;        // views(flat, runs): flat cut into (count, shape) runs of views (grouped results)
+    PyObject* views = nullptr;        // views(x, nbytes, runs) -> (views, address): a new buffer cut into runs of views
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
     Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
@@ -1243,15 +1243,17 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (inplace) {
         outs.reset(PyList_GetSlice(xs, 0, PyList_GET_SIZE(xs)));
     } else {  // the results: views of one new buffer, reduced where they lie
-        Ref shape(Py_BuildValue("(n)", static_cast<Py_ssize_t>(m.total) / route.itemsize));
-        Host flat;
-        Ref buffer(shape ? new_like(PyList_GET_ITEM(xs, 0), shape.get(), static_cast<Py_ssize_t>(m.total), flat)
-                         : nullptr);
-        if (!buffer) return nullptr;
-        for (size_t i = 0, at = 0; i < dsts.size(); at += m.sizes[i++])
-            dsts[i] = static_cast<char*>(flat.ptr) + at;
         Ref runs(shape_runs(xs, m));
-        outs.reset(runs ? PyObject_CallFunctionObjArgs(fn.views, buffer.get(), runs.get(), nullptr) : nullptr);
+        Ref made(runs ? PyObject_CallFunction(fn.views, "OnO", PyList_GET_ITEM(xs, 0), static_cast<Py_ssize_t>(m.total),
+                                              runs.get())
+                      : nullptr);
+        PyObject *views, *address;
+        if (!made || !PyArg_ParseTuple(made.get(), "O!O:views' result", &PyList_Type, &views, &address)) return nullptr;
+        char* flat = static_cast<char*>(PyLong_AsVoidPtr(address));
+        if (PyErr_Occurred()) return nullptr;
+        for (size_t i = 0, at = 0; i < dsts.size(); at += m.sizes[i++])
+            dsts[i] = flat + at;
+        outs.reset(Py_NewRef(views));
     }
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);

@@ -219,13 +219,13 @@ void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPoi
 
 // ---------------------------------------------------------------- reading a tensor
 
-// A torch tensor class's five accessors, as its class holds them (torch's C functions,
+// A torch tensor class's six accessors, as its class holds them (torch's C functions,
 // or whatever a subclass put there), found once per class: calling them directly skips
 // the attribute lookup each call would make (reading 1,000 small tensors for
 // grouped_allreduce: 0.25 -> 0.21 ms). An attribute set on one tensor object is not seen.
 struct TorchClass {
     PyObject* type;  // owned, with the accessors: a class that dies could give its address to another
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *ndim;
 
     // An attribute's value on x, through its descriptor when it has one.
     static PyObject* get(PyObject* attr, PyObject* x) {
@@ -242,10 +242,10 @@ const TorchClass* torch_class(PyObject* x) {
     PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
     for (const TorchClass& c : torch_classes)
         if (c.type == type) return &c;
-    TorchClass c{Py_NewRef(type), nullptr, nullptr, nullptr, nullptr, nullptr};
-    PyObject** slots[] = {&c.is_cpu, &c.is_contiguous, &c.data_ptr, &c.nbytes, &c.dtype};
-    PyObject* names[] = {s.is_cpu, s.is_contiguous, s.data_ptr, s.nbytes, s.dtype};
-    for (size_t i = 0; i < 5; ++i) {
+    TorchClass c{Py_NewRef(type), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    PyObject** slots[] = {&c.is_cpu, &c.is_contiguous, &c.data_ptr, &c.nbytes, &c.dtype, &c.ndim};
+    PyObject* names[] = {s.is_cpu, s.is_contiguous, s.data_ptr, s.nbytes, s.dtype, s.ndim};
+    for (size_t i = 0; i < 6; ++i) {
         if (!(*slots[i] = PyObject_GetAttr(type, names[i]))) {  // the descriptor itself, as the class holds it
             for (size_t j = 0; j <= i; ++j) Py_XDECREF(*slots[j]);
             Py_DECREF(type);
@@ -254,6 +254,37 @@ const TorchClass* torch_class(PyObject* x) {
     }
     torch_classes.push_back(c);
     return &torch_classes.back();
+}
+
+// The accessors of x's class if it is a torch tensor class; nullptr: not one, or an error.
+const TorchClass* torch_class_of(PyObject* x) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
+    PyObject* torch = PyDict_GetItemWithError(fn.kinds, type);
+    Ref found;
+    if (!torch) {
+        if (PyErr_Occurred()) return nullptr;
+        found.reset(PyObject_CallOneArg(fn.is_torch, x));  // raises for what pycoll cannot read
+        if (!found || PyDict_SetItem(fn.kinds, type, found.get()) < 0) return nullptr;
+        torch = found.get();
+    }
+    return torch == Py_True ? torch_class(x) : nullptr;
+}
+
+// Reads a tensor of torch class c as read_host does.
+int read_torch(const TorchClass& c, PyObject* x, Host& out) {
+    Ref cpu(TorchClass::get(c.is_cpu, x));
+    if (!cpu) return -1;
+    if (cpu.get() != Py_True) return 1;
+    Ref contiguous(TorchClass::call(c.is_contiguous, x));
+    if (!contiguous) return -1;
+    if (contiguous.get() != Py_True) return 1;
+    Ref ptr(TorchClass::call(c.data_ptr, x)), nbytes(TorchClass::get(c.nbytes, x));
+    if (!ptr || !nbytes) return -1;
+    out.ptr = PyLong_AsVoidPtr(ptr.get());
+    out.nbytes = PyLong_AsSsize_t(nbytes.get());
+    if (PyErr_Occurred()) return -1;
+    out.dtype.reset(TorchClass::get(c.dtype, x));
+    return out.dtype ? 0 : -1;
 }
 
 // Reads a host tensor (Host): 0: read; 1: not a tensor this path reads (the general path
@@ -271,31 +302,8 @@ int read_host(PyObject* x, bool writable, Host& out) {
         out.dtype.reset(PyObject_GetAttr(x, s.dtype));
         return out.dtype ? 0 : -1;
     }
-    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
-    PyObject* torch = PyDict_GetItemWithError(fn.kinds, type);
-    Ref found;
-    if (!torch) {
-        if (PyErr_Occurred()) return -1;
-        found.reset(PyObject_CallOneArg(fn.is_torch, x));  // raises for what pycoll cannot read
-        if (!found || PyDict_SetItem(fn.kinds, type, found.get()) < 0) return -1;
-        torch = found.get();
-    }
-    if (torch != Py_True) return 1;
-    const TorchClass* c = torch_class(x);
-    if (!c) return -1;
-    Ref cpu(TorchClass::get(c->is_cpu, x));
-    if (!cpu) return -1;
-    if (cpu.get() != Py_True) return 1;
-    Ref contiguous(TorchClass::call(c->is_contiguous, x));
-    if (!contiguous) return -1;
-    if (contiguous.get() != Py_True) return 1;
-    Ref ptr(TorchClass::call(c->data_ptr, x)), nbytes(TorchClass::get(c->nbytes, x));
-    if (!ptr || !nbytes) return -1;
-    out.ptr = PyLong_AsVoidPtr(ptr.get());
-    out.nbytes = PyLong_AsSsize_t(nbytes.get());
-    if (PyErr_Occurred()) return -1;
-    out.dtype.reset(TorchClass::get(c->dtype, x));
-    return out.dtype ? 0 : -1;
+    const TorchClass* c = torch_class_of(x);
+    return c ? read_torch(*c, x, out) : PyErr_Occurred() ? -1 : 1;
 }
 
 // An out= tensor: a writable host tensor of x's dtype (else 1: the general path says what is wrong).
@@ -1112,6 +1120,7 @@ struct Many {
     std::vector<size_t> sizes;
     size_t total = 0;
     const Route* route = nullptr;  // the route of (op, dtype)
+    const TorchClass* torch = nullptr;  // their torch class, if they are torch tensors
 };
 
 // xs read as Many; 0 read, 1 not such a list (the general path reads each and says what is
@@ -1120,6 +1129,10 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
     if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) return 1;
     const Py_ssize_t n = PyList_GET_SIZE(xs);
     PyObject* first = PyList_GET_ITEM(xs, 0);
+    // All are of first's class: a torch class's accessors are looked up once.
+    if (reinterpret_cast<PyObject*>(Py_TYPE(first)) != fn.ndarray && !(m.torch = torch_class_of(first)) &&
+        PyErr_Occurred())
+        return -1;
     Ref dtype;
     m.ptrs.resize(static_cast<size_t>(n));
     m.sizes.resize(static_cast<size_t>(n));
@@ -1127,7 +1140,7 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
         PyObject* x = PyList_GET_ITEM(xs, i);
         Host h;
         if (Py_TYPE(x) != Py_TYPE(first)) return 1;
-        if (int read = read_host(x, true, h)) return read;
+        if (int read = m.torch ? read_torch(*m.torch, x, h) : read_host(x, true, h)) return read;
         if (!dtype) {
             dtype.reset(Py_NewRef(h.dtype.get()));
         } else if (h.dtype.get() != dtype.get()) {  // dtype objects are singletons in numpy and torch
@@ -1162,7 +1175,7 @@ PyObject* shape_runs(PyObject* xs, const Many& m) {
     };
     for (Py_ssize_t i = 0; runs && i < PyList_GET_SIZE(xs); ++i) {
         PyObject* x = PyList_GET_ITEM(xs, i);
-        Ref ndim(PyObject_GetAttr(x, s.ndim));
+        Ref ndim(m.torch ? TorchClass::get(m.torch->ndim, x) : PyObject_GetAttr(x, s.ndim));
         const long n = ndim ? PyLong_AsLong(ndim.get()) : -1;
         if (n == 1)
             dims.assign(1, static_cast<int64_t>(m.sizes[i]) / m.route->itemsize);

@@ -48,9 +48,9 @@ numpy on every rank.
 --parts first times the pieces of a grouped pass over the small case in one process, as
 CPU time (at 1 rank MPI is a no-op, so a pass there is what it costs beyond MPI): reading
 the list (tensors.host_pointers), packing and unpacking its bytes in one piece through a
-buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer and
-views (tensors.views_like, from 1 MiB a reused host block), and each grouped form whole (which packs and unpacks in
-pieces that stay in cache). The header and the end give the load average: on a shared
+buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer (from
+1 MiB a reused host block) and views (tensors.views_like), and each grouped form whole
+(which packs and unpacks in pieces that stay in cache). The header and the end give the load average: on a shared
 machine it says what the times are worth.
 """
 import argparse

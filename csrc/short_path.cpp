@@ -665,11 +665,10 @@ Token::~Token() {
 bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
-        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.ndim, "ndim"},
-        {&s.handle, "handle"},
+        {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
-        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
+        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"}, {&s.ndim, "ndim"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;

@@ -48,9 +48,9 @@ numpy on every rank.
 --parts first times the pieces of a grouped pass over the small case in one process, as
 CPU time (at 1 rank MPI is a no-op, so a pass there is what it costs beyond MPI): reading
 the list (tensors.host_pointers), packing and unpacking its bytes in one piece through a
-buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer and
-views (tensors.views_like), and each grouped form whole (which packs and unpacks in
-pieces that stay in cache). The header and the end give the load average: on a shared
+buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer (from
+1 MiB a reused host block) and views (tensors.views_like), and each grouped form whole
+(which packs and unpacks in pieces that stay in cache). The header and the end give the load average: on a shared
 machine it says what the times are worth.
 """
 import argparse
@@ -257,6 +257,7 @@ def parts(case: Case) -> None:
         xs = case.of(kind)
         ptrs, sizes, dtype = tensors.host_pointers(xs)
         total, buffer = sum(sizes), np.empty(sum(sizes), np.uint8)
+        runs = tensors.shape_runs(xs)       # the short path finds them in C
         staging = buffer.ctypes.data
         timed = {}
         if comm.rank == 0:
@@ -266,7 +267,7 @@ def parts(case: Case) -> None:
                 "unpack+scale": cpu_ms(
                     lambda: _C.unpack(staging, ptrs, sizes, dtype, 0.5, 0, total)),
                 "scale": cpu_ms(lambda: _C.scale(staging, total // 4, dtype, 0.5)),
-                "new buffer+views": cpu_ms(lambda: tensors.views_like(xs, sizes))})
+                "new buffer+views": cpu_ms(lambda: tensors.views_like(xs[0], total, runs))})
         for op in ("sum", "average"):
             for form in FORMS[1:]:
                 timed[f"{form} {op}"] = cpu_ms(case.form(form_name(form, op, kind)), 10, 5)

@@ -180,7 +180,7 @@ struct Functions {
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
     PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
     PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
-    PyObject* views = nullptr;        // views(flat, xs): flat cut into views shaped like xs (grouped results)
+    PyObject* views = nullptr;        // views(x, nbytes, runs) -> (views, address): a new buffer cut into runs of views
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
     Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
@@ -210,7 +210,7 @@ struct World {
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *handle, *ranks, *carry, *new_empty;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *ndim, *handle, *ranks, *carry, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
     PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
@@ -219,13 +219,13 @@ void free_route(PyObject* capsule) { delete static_cast<Route*>(PyCapsule_GetPoi
 
 // ---------------------------------------------------------------- reading a tensor
 
-// A torch tensor class's five accessors, as its class holds them (torch's C functions,
+// A torch tensor class's six accessors, as its class holds them (torch's C functions,
 // or whatever a subclass put there), found once per class: calling them directly skips
 // the attribute lookup each call would make (reading 1,000 small tensors for
 // grouped_allreduce: 0.25 -> 0.21 ms). An attribute set on one tensor object is not seen.
 struct TorchClass {
     PyObject* type;  // owned, with the accessors: a class that dies could give its address to another
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *ndim;
 
     // An attribute's value on x, through its descriptor when it has one.
     static PyObject* get(PyObject* attr, PyObject* x) {
@@ -242,10 +242,10 @@ const TorchClass* torch_class(PyObject* x) {
     PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
     for (const TorchClass& c : torch_classes)
         if (c.type == type) return &c;
-    TorchClass c{Py_NewRef(type), nullptr, nullptr, nullptr, nullptr, nullptr};
-    PyObject** slots[] = {&c.is_cpu, &c.is_contiguous, &c.data_ptr, &c.nbytes, &c.dtype};
-    PyObject* names[] = {s.is_cpu, s.is_contiguous, s.data_ptr, s.nbytes, s.dtype};
-    for (size_t i = 0; i < 5; ++i) {
+    TorchClass c{Py_NewRef(type), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    PyObject** slots[] = {&c.is_cpu, &c.is_contiguous, &c.data_ptr, &c.nbytes, &c.dtype, &c.ndim};
+    PyObject* names[] = {s.is_cpu, s.is_contiguous, s.data_ptr, s.nbytes, s.dtype, s.ndim};
+    for (size_t i = 0; i < 6; ++i) {
         if (!(*slots[i] = PyObject_GetAttr(type, names[i]))) {  // the descriptor itself, as the class holds it
             for (size_t j = 0; j <= i; ++j) Py_XDECREF(*slots[j]);
             Py_DECREF(type);
@@ -254,6 +254,37 @@ const TorchClass* torch_class(PyObject* x) {
     }
     torch_classes.push_back(c);
     return &torch_classes.back();
+}
+
+// The accessors of x's class if it is a torch tensor class; nullptr: not one, or an error.
+const TorchClass* torch_class_of(PyObject* x) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
+    PyObject* torch = PyDict_GetItemWithError(fn.kinds, type);
+    Ref found;
+    if (!torch) {
+        if (PyErr_Occurred()) return nullptr;
+        found.reset(PyObject_CallOneArg(fn.is_torch, x));  // raises for what pycoll cannot read
+        if (!found || PyDict_SetItem(fn.kinds, type, found.get()) < 0) return nullptr;
+        torch = found.get();
+    }
+    return torch == Py_True ? torch_class(x) : nullptr;
+}
+
+// Reads a tensor of torch class c as read_host does.
+int read_torch(const TorchClass& c, PyObject* x, Host& out) {
+    Ref cpu(TorchClass::get(c.is_cpu, x));
+    if (!cpu) return -1;
+    if (cpu.get() != Py_True) return 1;
+    Ref contiguous(TorchClass::call(c.is_contiguous, x));
+    if (!contiguous) return -1;
+    if (contiguous.get() != Py_True) return 1;
+    Ref ptr(TorchClass::call(c.data_ptr, x)), nbytes(TorchClass::get(c.nbytes, x));
+    if (!ptr || !nbytes) return -1;
+    out.ptr = PyLong_AsVoidPtr(ptr.get());
+    out.nbytes = PyLong_AsSsize_t(nbytes.get());
+    if (PyErr_Occurred()) return -1;
+    out.dtype.reset(TorchClass::get(c.dtype, x));
+    return out.dtype ? 0 : -1;
 }
 
 // Reads a host tensor (Host): 0: read; 1: not a tensor this path reads (the general path
@@ -271,31 +302,8 @@ int read_host(PyObject* x, bool writable, Host& out) {
         out.dtype.reset(PyObject_GetAttr(x, s.dtype));
         return out.dtype ? 0 : -1;
     }
-    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
-    PyObject* torch = PyDict_GetItemWithError(fn.kinds, type);
-    Ref found;
-    if (!torch) {
-        if (PyErr_Occurred()) return -1;
-        found.reset(PyObject_CallOneArg(fn.is_torch, x));  // raises for what pycoll cannot read
-        if (!found || PyDict_SetItem(fn.kinds, type, found.get()) < 0) return -1;
-        torch = found.get();
-    }
-    if (torch != Py_True) return 1;
-    const TorchClass* c = torch_class(x);
-    if (!c) return -1;
-    Ref cpu(TorchClass::get(c->is_cpu, x));
-    if (!cpu) return -1;
-    if (cpu.get() != Py_True) return 1;
-    Ref contiguous(TorchClass::call(c->is_contiguous, x));
-    if (!contiguous) return -1;
-    if (contiguous.get() != Py_True) return 1;
-    Ref ptr(TorchClass::call(c->data_ptr, x)), nbytes(TorchClass::get(c->nbytes, x));
-    if (!ptr || !nbytes) return -1;
-    out.ptr = PyLong_AsVoidPtr(ptr.get());
-    out.nbytes = PyLong_AsSsize_t(nbytes.get());
-    if (PyErr_Occurred()) return -1;
-    out.dtype.reset(TorchClass::get(c->dtype, x));
-    return out.dtype ? 0 : -1;
+    const TorchClass* c = torch_class_of(x);
+    return c ? read_torch(*c, x, out) : PyErr_Occurred() ? -1 : 1;
 }
 
 // An out= tensor: a writable host tensor of x's dtype (else 1: the general path says what is wrong).
@@ -667,7 +675,7 @@ bool init(PyObject* module) {
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
         {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
-        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"},
+        {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"}, {&s.ndim, "ndim"},
     };
     for (auto& name : all)
         if (!(*name.slot = PyUnicode_InternFromString(name.text))) return false;
@@ -1119,6 +1127,7 @@ struct Many {
     std::vector<size_t> sizes;
     size_t total = 0;
     const Route* route = nullptr;  // the route of (op, dtype)
+    const TorchClass* torch = nullptr;  // their torch class, if they are torch tensors
 };
 
 // xs read as Many; 0 read, 1 not such a list (the general path reads each and says what is
@@ -1127,6 +1136,10 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
     if (!fn.ready || !PyList_CheckExact(xs) || PyList_GET_SIZE(xs) == 0) return 1;
     const Py_ssize_t n = PyList_GET_SIZE(xs);
     PyObject* first = PyList_GET_ITEM(xs, 0);
+    // All are of first's class: a torch class's accessors are looked up once.
+    if (reinterpret_cast<PyObject*>(Py_TYPE(first)) != fn.ndarray && !(m.torch = torch_class_of(first)) &&
+        PyErr_Occurred())
+        return -1;
     Ref dtype;
     m.ptrs.resize(static_cast<size_t>(n));
     m.sizes.resize(static_cast<size_t>(n));
@@ -1134,7 +1147,7 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
         PyObject* x = PyList_GET_ITEM(xs, i);
         Host h;
         if (Py_TYPE(x) != Py_TYPE(first)) return 1;
-        if (int read = read_host(x, true, h)) return read;
+        if (int read = m.torch ? read_torch(*m.torch, x, h) : read_host(x, true, h)) return read;
         if (!dtype) {
             dtype.reset(Py_NewRef(h.dtype.get()));
         } else if (h.dtype.get() != dtype.get()) {  // dtype objects are singletons in numpy and torch
@@ -1147,6 +1160,43 @@ int read_list(PyObject* xs, PyObject* op, Many& m) {
     }
     m.route = route_of(op, first, dtype.get());
     return m.route ? 0 : PyErr_Occurred() ? -1 : 1;
+}
+
+// The (count, shape) runs of consecutive tensors of one shape in xs, read as m, as a list
+// for fn.views; nullptr with an error. A 1-d tensor's shape is its byte size over the
+// itemsize, so only its ndim is read: a torch shape (a new torch.Size) costs twice that.
+PyObject* shape_runs(PyObject* xs, const Many& m) {
+    Ref runs(PyList_New(0));
+    std::vector<int64_t> dims, last;
+    Py_ssize_t count = 0;
+    auto flush = [&]() -> bool {
+        if (!count) return true;
+        Ref shape(PyTuple_New(static_cast<Py_ssize_t>(last.size())));
+        for (size_t d = 0; shape && d < last.size(); ++d) {
+            PyObject* extent = PyLong_FromLongLong(last[d]);
+            if (!extent) return false;
+            PyTuple_SET_ITEM(shape.get(), static_cast<Py_ssize_t>(d), extent);
+        }
+        Ref run(shape ? Py_BuildValue("(nO)", count, shape.get()) : nullptr);
+        return run && PyList_Append(runs.get(), run.get()) == 0;
+    };
+    for (Py_ssize_t i = 0; runs && i < PyList_GET_SIZE(xs); ++i) {
+        PyObject* x = PyList_GET_ITEM(xs, i);
+        Ref ndim(m.torch ? TorchClass::get(m.torch->ndim, x) : PyObject_GetAttr(x, s.ndim));
+        const long n = ndim ? PyLong_AsLong(ndim.get()) : -1;
+        if (n == 1)
+            dims.assign(1, static_cast<int64_t>(m.sizes[i]) / m.route->itemsize);
+        else if (PyErr_Occurred() || !dims_of(x, dims))
+            return nullptr;
+        if (count && dims == last) {
+            ++count;
+            continue;
+        }
+        if (!flush()) return nullptr;
+        last.swap(dims);
+        count = 1;
+    }
+    return runs && flush() ? runs.release() : nullptr;
 }
 
 PyObject* host_pointers(PyObject*, PyObject* xs) {
@@ -1214,14 +1264,17 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     if (inplace) {
         outs.reset(PyList_GetSlice(xs, 0, PyList_GET_SIZE(xs)));
     } else {  // the results: views of one new buffer, reduced where they lie
-        Ref shape(Py_BuildValue("(n)", static_cast<Py_ssize_t>(m.total) / route.itemsize));
-        Host flat;
-        Ref buffer(shape ? new_like(PyList_GET_ITEM(xs, 0), shape.get(), static_cast<Py_ssize_t>(m.total), flat)
-                         : nullptr);
-        if (!buffer) return nullptr;
+        Ref runs(shape_runs(xs, m));
+        Ref made(runs ? PyObject_CallFunction(fn.views, "OnO", PyList_GET_ITEM(xs, 0), static_cast<Py_ssize_t>(m.total),
+                                              runs.get())
+                      : nullptr);
+        PyObject *views, *address;
+        if (!made || !PyArg_ParseTuple(made.get(), "O!O:views' result", &PyList_Type, &views, &address)) return nullptr;
+        char* flat = static_cast<char*>(PyLong_AsVoidPtr(address));
+        if (PyErr_Occurred()) return nullptr;
         for (size_t i = 0, at = 0; i < dsts.size(); at += m.sizes[i++])
-            dsts[i] = static_cast<char*>(flat.ptr) + at;
-        outs.reset(PyObject_CallFunctionObjArgs(fn.views, buffer.get(), xs, nullptr));
+            dsts[i] = flat + at;
+        outs.reset(Py_NewRef(views));
     }
     if (!outs) return nullptr;
     Token token(name, s.grouped_allreduce);

@@ -383,7 +383,7 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
         if inplace:
             outs, dsts = xs, ptrs
         else:                           # the results: views of one new buffer
-            outs, base = tensors.views_like(xs, sizes)
+            outs, base = tensors.views_like(xs[0], sum(sizes), tensors.shape_runs(xs))
             dsts = list(itertools.accumulate(sizes[:-1], initial=base))
         many = _Many(ptrs, dsts, sizes, dtype, "cpu", op, grp, lambda i: _Allreduce(
             as_buffer(xs[i]), as_buffer(outs[i], writable=True), outs[i], op, grp, f"{name}[{i}]"))
@@ -717,7 +717,7 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
                     new_counts=functools.partial(np.empty, dtype=np.int64),
-                    failed=_disagreed, views=tensors.views_of,
+                    failed=_disagreed, views=tensors.views_like,
                     staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, cached_piece=_CACHED_PIECE,
                     mpi_error=MPI.Exception,

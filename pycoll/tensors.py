@@ -237,34 +237,43 @@ def host_pointers(xs) -> Optional[Tuple[List[int], List[int], str]]:
     return _C.host_pointers(xs if type(xs) is list else list(xs))
 
 
-def views_like(xs, sizes: List[int]) -> Tuple[list, int]:
-    """One new buffer of ``sum(sizes)`` bytes, of the kind and dtype of ``xs`` (host
-    tensors that ``host_pointers`` read), seen as one view shaped like each ``x``; the
-    views and the buffer's address."""
-    first = as_array(xs[0])
-    itemsize = first.itemsize if hasattr(first, "itemsize") else first.element_size()
-    flat = empty_like(first, (sum(sizes) // itemsize,))
+def views_like(x, nbytes: int, runs) -> Tuple[list, int]:
+    """One new buffer of ``nbytes`` bytes, of the kind and dtype of host tensor ``x``,
+    cut into views by ``runs`` (``views_of``); the views and the buffer's address. From
+    POOLED_GROUPED bytes the buffer is a ``_C.host_block``'s, as large results are."""
+    x = as_array(x)
+    itemsize = x.itemsize if hasattr(x, "itemsize") else x.element_size()
+    flat = empty_like(x, (nbytes // itemsize,), POOLED_GROUPED)
     base = flat.data_ptr() if hasattr(flat, "data_ptr") else flat.ctypes.data
-    return views_of(flat, xs), base
+    return views_of(flat, runs), base
 
 
-def views_of(flat, xs) -> list:
+def shape_runs(xs) -> List[Tuple[int, Tuple[int, ...]]]:
+    """(count, shape) of each run of consecutive ``xs`` of one shape, as ``views_of``
+    takes them (the short path finds the same runs in C, without a shape per tensor)."""
+    return [(sum(1 for _ in run), shape)
+            for shape, run in itertools.groupby(tuple(x.shape) for x in xs)]
+
+
+def views_of(flat, runs) -> list:
     """The one-dimensional ``flat`` (a new buffer no one else sees) cut, in order, into
-    views shaped like each of ``xs``. Each run of equal shapes is cut in one call: a view
-    made one at a time costs more than the reduction of its bytes. torch's cut is
-    ``unsafe_split_with_sizes``: its parts are not views for autograd, which they need not
-    be (disjoint, of a base no one holds), and cost 0.29 us each against unbind's 0.43."""
+    ``count`` views shaped ``shape`` for each (count, shape) of ``runs``. Each run is cut
+    in one call: a view made one at a time costs more than the reduction of its bytes.
+    torch's cut is ``unsafe_split_with_sizes``: its parts are not views for autograd,
+    which they need not be (disjoint, of a base no one holds), and cost 0.25 us each
+    against unbind's 0.39."""
     views: list = []
     start = 0
     torch_cut = hasattr(flat, "unsafe_split_with_sizes")
-    for shape, run in itertools.groupby(x.shape for x in xs):
-        count, extent = sum(1 for _ in run), math.prod(shape)
+    for count, shape in runs:
+        extent = math.prod(shape)
         block = flat[start:start + count * extent]
         if count == 1:
             views.append(block.reshape(shape))
         elif shape and torch_cut:
-            rows, rest = shape[0], tuple(shape[1:])
-            views.extend(block.view((count * rows,) + rest).unsafe_split_with_sizes([rows] * count))
+            rows = shape[0]
+            views.extend(block.view((count * rows,) + tuple(shape[1:]))
+                         .unsafe_split_with_sizes([rows] * count))
         elif shape:                     # numpy: a view of each row
             views.extend(block.reshape((count,) + tuple(shape)))
         else:                           # numpy would give scalars, not 0-d arrays
@@ -291,24 +300,29 @@ def as_array(x):
 # from numpy and 50-56 ms from torch.empty, nearly all of it page faults), and the memory
 # of a result that died is reused by the next, with no pages to zero and map again.
 HUGE_PAGED = 4 * 2**20
+# grouped_allreduce's one buffer of results, from this size: torch's 3.9 MiB buffer for
+# 1,000 x 4 KiB took 77 page faults a call at 2 ranks (none at 1 rank, nor numpy's), and
+# a block reused is still in cache. A block is at most twice what it holds (2 MiB pages).
+POOLED_GROUPED = 2**20
 
 
 def _host_block(nbytes: int) -> np.ndarray:
     return np.frombuffer(_C.host_block(nbytes), np.uint8)
 
 
-def empty_like(x, shape):
-    """A new uninitialized array of ``x``'s kind, dtype and device, with ``shape``."""
+def empty_like(x, shape, huge: int = HUGE_PAGED):
+    """A new uninitialized array of ``x``'s kind, dtype and device, with ``shape``; on
+    the host, from ``huge`` bytes, in a ``_C.host_block``."""
     x = as_array(x)
     if hasattr(x, "new_empty"):                                   # torch
         nbytes = math.prod(shape) * x.element_size()
-        if x.is_cpu and nbytes >= HUGE_PAGED:
+        if x.is_cpu and nbytes >= huge:
             torch = sys.modules["torch"]
             return torch.from_numpy(_host_block(nbytes)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))
     if isinstance(x, np.ndarray):
         nbytes = math.prod(shape) * x.itemsize
-        if nbytes >= HUGE_PAGED:
+        if nbytes >= huge:
             return _host_block(nbytes).view(x.dtype).reshape(tuple(shape))
         return np.empty(tuple(shape), dtype=x.dtype)
     module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes

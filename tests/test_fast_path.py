@@ -244,10 +244,11 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
                                                 chunk_bytes):
     """A list that fuses into one group runs in _C. Odd ranks leave an async allreduce
     unsent first, so their grouped call takes the general path: both paths must cut it
-    into the same MPI calls. Results out of place are views of one new buffer."""
+    into the same MPI calls. Results out of place are views of one new buffer, cut by
+    runs of equal shapes (0-d and empty ones included)."""
     arg, rank, size = group
     settings(chunk_bytes=chunk_bytes)
-    shapes = [(5, 3), (700,), (1,), (2, 0), (30, 25), (4, 1, 2)]
+    shapes = [(5, 3), (700,), (1,), (1,), (2, 0), (30, 25), (30, 25), (4, 1, 2), (), (), (3,)]
     tensor = torch.tensor if kind == "torch" else np.array
 
     def inputs(fill):
@@ -279,8 +280,9 @@ def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
     """A list longer than collectives._CACHED_PIECE (per peer) is packed, reduced and
     unpacked a piece at a time in place (out of place, in PYCOLL_CHUNK_BYTES pieces of the new
     buffer); the compiled pass (even ranks) and the general path (odd ranks, an async
-    allreduce unsent) cut the same pieces. torch's results are disjoint parts of one
-    buffer: writing one leaves the others."""
+    allreduce unsent) cut the same pieces. The new list's one buffer is a host block
+    (tensors.POOLED_GROUPED); torch's results are disjoint parts of it: writing one
+    leaves the others."""
     arg, rank, size = group
     shapes = [(3,)] + [(120, 500), (60000,), (4, 15000)] * 4 + [(7, 2), (59999,), (1,), (60000,)]
     assert sum(4 * np.prod(s) for s in shapes) > 2 * collectives._CACHED_PIECE * max(1, size - 1)
@@ -299,6 +301,12 @@ def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
     for y, parts in zip(ys, zip(*[inputs(r) for r in range(size)])):
         np.testing.assert_allclose(np.asarray(y), sum(np.asarray(p, np.float64) for p in parts)
                                    / size, rtol=1e-6)
+    if kind == "numpy" and not inplace:     # over tensors.POOLED_GROUPED: a reused block
+        assert sum(y.nbytes for y in ys) >= tensors.POOLED_GROUPED
+        base = ys[0]
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert type(base).__name__ == "HostBlock"
     if kind == "torch" and not inplace:
         ys[1].fill_(-1)
         assert (ys[0] != -1).all() and (ys[2] != -1).all() and ys[4].sum() > 0

@@ -142,7 +142,7 @@ def test_views_like_cuts_one_buffer_in_order_by_runs_of_shapes(kind):
         (lambda s: torch.zeros(s, dtype=torch.float32))
     xs = [make(s) for s in shapes]
     sizes = [as_buffer(x).nbytes for x in xs]
-    views, base = tensors.views_like(xs, sizes)
+    views, base = tensors.views_like(xs[0], sum(sizes), tensors.shape_runs(xs))
     assert [tuple(v.shape) for v in views] == shapes
     assert all(type(v) is type(xs[0]) and v.dtype == xs[0].dtype for v in views)
     at = base

@@ -48,7 +48,19 @@ class AllReduce:
 
 
 class Ripples:
-    """Local step, then average the model within this step's group (``policy``)."""
+    """Local step, then average the model within this step's group (``policy``).
+
+    What Luo et al. prescribe: after its local update a worker gets a group (from the Group
+    Generator, or a static schedule in homogeneous clusters) and averages its model with
+    the group's members in one Partial All-Reduce among them; the generator hands groups
+    out in one global order and keeps them from conflicting (Group Buffer, Group
+    Division), so a worker waits for its own group's members only, and no lock is taken.
+
+    What we do: the same, with ``policy.next_group()`` (the generator's requests are
+    messages to its rank, paced under ``--link``) and ``partial_allreduce_`` of the flat
+    model, paced under ``--link`` as the exchange it runs (a direct exchange up to
+    PYCOLL_PARTIAL_DIRECT_BYTES, the ring beyond).
+    """
 
     def __init__(self, model: torch.nn.Module, policy):
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -32,6 +32,11 @@ from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine
 TARGETS = ((0, 1.5), (MiB, 1.2))            # (from this size, the ratio at most)
 
 
+def load() -> str:
+    """The machine's 1, 5 and 15 minute load averages (others' jobs share its cores)."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def sweep(k: int, sizes, args) -> list:
     rank = comm.rank
     index = rank // k if rank < comm.size // k * k else MPI.UNDEFINED
@@ -77,7 +82,8 @@ def main() -> None:
     if comm.rank == 0:
         print(machine_line("partial all-reduce vs MPI Allreduce on a pre-built communicator", meta))
         print(f"# direct exchange up to {pycoll.config.get('partial_direct_bytes')} B, "
-              f"ring beyond; float32, Sum, in place; medians of {args.batches} batches")
+              f"ring beyond; float32, Sum, in place; medians of {args.batches} batches; "
+              f"load average {load()}")
     rows = []
     for k in (int(g) for g in args.groups.split(",")):
         if k > comm.size:
@@ -98,6 +104,7 @@ def main() -> None:
                 print(f"# from {human_bytes(start)}: worst ratio {worst['ratio']:.2f} (groups of "
                       f"{worst['group']}, {human_bytes(worst['bytes'])}); target <= {limit}: "
                       f"{'met' if worst['ratio'] <= limit else 'MISSED'}")
+        print(f"# load average at the end {load()}")
         if args.json:
             write_json(args.json, dict(meta, targets=TARGETS), rows)
     pycoll.shutdown()

@@ -108,7 +108,7 @@ class ADPSGD:
 
     1. the active sends a lock request; the passive's service thread grants it once its
        model is free (not in its own ``optimizer.step()``, not locked by another active;
-       requests are served one at a time in arrival order): one round trip plus any
+       requests are served one at a time, as MPI matches them): one round trip plus any
        queueing;
     2. both send their model at once (both directions of the exchange) and each computes
        (x_i + x_j) / 2 (the same bits on both: float addition commutes);

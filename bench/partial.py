@@ -10,8 +10,8 @@ out), all reducing at once as Ripples' groups do. Every group runs
 (PYCOLL_PARTIAL_CACHE_AFTER=0: the point-to-point path, as for groups that change every
 step), and, interleaved batch by batch, ``comm.Allreduce(IN_PLACE, x, SUM)`` on a
 communicator made for the same ranks before timing (what a repeating group could have).
-float32 tensors, sizes from --min-bytes to --max-bytes. Time per call: mean over a batch,
-max over all ranks; the table quotes medians of --batches batches, and the median of the
+float32 tensors, sizes from --min-bytes to --max-bytes. Time per call: mean over a batch
+(of the same length for both, ``batch_calls``), max over all ranks; the table quotes medians of --batches batches, and the median of the
 ratios of batches run back to back (on a shared machine the load drifts between batches
 more than the two differ). Both sides run under the same conditions: ranks outside the
 groups, and members done with a batch, sleep until the batch ends (``sleep_when_done``)
@@ -26,10 +26,29 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine,  # noqa: E402
-                     machine_line, median, parse_bytes, pycoll, write_json)
+from harness import (MiB, comm, human_bytes, interleave, machine, machine_line,  # noqa: E402
+                     median, parse_bytes, pycoll, time_batch, write_json)
 
 TARGETS = ((0, 1.5), (MiB, 1.2))            # (from this size, the ratio at most)
+
+
+def load() -> str:
+    """The machine's 1, 5 and 15 minute load averages (others' jobs share its cores)."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def batch_calls(fns, target_s: float, most: int, probe: int = 20) -> int:
+    """One batch length for both sides of a cell: ``target_s`` over the faster side's time
+    per call (1..most). A batch starts with the ranks leaving a barrier one by one, up to
+    milliseconds apart on shared cores; timed over one call that start is most of what is
+    measured, and batches of different lengths (8 and 14 calls for 4 B pairs at 8 ranks)
+    spread it unequally. So short calls are timed over ``probe`` calls, and both sides run
+    as many."""
+    def per_call(fn):
+        once = time_batch(fn, 1)          # the same on every rank, as the branch must be
+        return once if once * probe > target_s else time_batch(fn, probe)
+    fastest = min(per_call(fn) for fn in fns.values() for _ in range(3))   # a rank may be preempted
+    return int(min(most, max(1, round(target_s / max(fastest, 1e-9)))))
 
 
 def sweep(k: int, sizes, args) -> list:
@@ -47,7 +66,7 @@ def sweep(k: int, sizes, args) -> list:
         fns = {"partial": (lambda: pycoll.partial_allreduce_(x, group, op=pycoll.Sum))
                if group else (lambda: None),
                "mpi": (lambda: sub.Allreduce(MPI.IN_PLACE, x, MPI.SUM)) if group else (lambda: None)}
-        iters = {name: iters_for_time(fn, args.target_ms / 1e3, 2000) for name, fn in fns.items()}
+        iters = batch_calls(fns, args.target_ms / 1e3, 2000)
         times = interleave(fns, iters, warmup=2, batches=args.batches, sleep_when_done=True)
         p, m = median(times["partial"]), median(times["mpi"])
         paired = median([a / b for a, b in zip(times["partial"], times["mpi"])])
@@ -77,7 +96,8 @@ def main() -> None:
     if comm.rank == 0:
         print(machine_line("partial all-reduce vs MPI Allreduce on a pre-built communicator", meta))
         print(f"# direct exchange up to {pycoll.config.get('partial_direct_bytes')} B, "
-              f"ring beyond; float32, Sum, in place; medians of {args.batches} batches")
+              f"ring beyond; float32, Sum, in place; medians of {args.batches} batches; "
+              f"load average {load()}")
     rows = []
     for k in (int(g) for g in args.groups.split(",")):
         if k > comm.size:
@@ -98,6 +118,7 @@ def main() -> None:
                 print(f"# from {human_bytes(start)}: worst ratio {worst['ratio']:.2f} (groups of "
                       f"{worst['group']}, {human_bytes(worst['bytes'])}); target <= {limit}: "
                       f"{'met' if worst['ratio'] <= limit else 'MISSED'}")
+        print(f"# load average at the end {load()}")
         if args.json:
             write_json(args.json, dict(meta, targets=TARGETS), rows)
     pycoll.shutdown()

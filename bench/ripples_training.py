@@ -12,7 +12,10 @@ width for a model of that many MiB. Prints time to the target test accuracy (mea
 workers' own models), final accuracy (of the averaged model) and the speed-up of each
 scheme over AllReduce in the same scenario; then where the time went (per worker: a
 step's real forward/backward, its wait in ``sync.step``, and the real CPU seconds of the
-whole run against its wall-clock seconds); plots accuracy against wall-clock time.
+whole run against its wall-clock seconds); then AD-PSGD's averagings and what they
+waited for (lock round trips, requests queued behind another averaging at a passive, a
+passive's service and its own update waiting for each other: ``ADPSGD.counters``);
+plots accuracy against wall-clock time.
 
 ``--cluster`` sets the defaults of CLUSTER: on this 2-core machine a realistic model
 size is meaningful only while real CPU stays a small share of a step, so the batch is
@@ -69,6 +72,15 @@ def where_time_went(result: dict) -> dict:
             "cores": sum(p["cpu"] for p in phases) / wall}
 
 
+def counters(result: dict) -> dict:
+    """A scheme's ``sync.counters()`` summed over its workers."""
+    total: dict = {}
+    for phases in result["phases"]:
+        for name, value in phases.get("counters", {}).items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cluster", action="store_true",
@@ -118,7 +130,7 @@ def main():
             rows.append({"scenario": scenario, "scheme": r["scheme"], "time_to_target": t,
                          "speedup_vs_allreduce": base / t if t and base else None,
                          "final_accuracy": r["final_accuracy"], "steps": r["steps"],
-                         "time": where_time_went(r)})
+                         "time": where_time_went(r), "counters": counters(r)})
             print(f"| {scenario} | {r['scheme']} | {'not reached' if t is None else f'{t:.2f}'} | "
                   f"{ratio} | {100 * r['final_accuracy']:.2f}% | "
                   f"{min(r['steps'])}-{max(r['steps'])} |")
@@ -131,6 +143,17 @@ def main():
         print(f"| {row['scenario']} | {row['scheme']} | {w['step']:.3f} | {w['compute']:.3f} | "
               f"{1000 * w['real compute']:.0f} | {w['sync']:.3f} | {100 * w['cpu share']:.1f}% | "
               f"{w['cores']:.2f} |")
+    print("\nAD-PSGD's averagings (sums over workers; an active counts its own, a passive those it served):")
+    for row in rows:
+        if row["scheme"] == "adpsgd":
+            c = row["counters"]
+            n = c["averages"] // 2                  # each counted by its active and its passive
+            print(f"- {row['scenario']}: {n} averagings; lock request to grant "
+                  f"{1000 * c['lock wait s'] / max(n, 1):.1f} ms each on average "
+                  f"(a round trip is 2 link latencies); {c['queued']} requests queued behind "
+                  f"another averaging at a passive; passives' service waited for their own update "
+                  f"{c['busy waits']} times ({c['busy wait s']:.2f} s), their updates for an "
+                  f"averaging {c['update waits']} times ({c['update wait s']:.2f} s)")
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows,
                                                     "runs": results}))
     plot(results, args, out.with_suffix(".png"))

@@ -99,7 +99,8 @@ def train(scheme: str, args, data) -> dict:
             copies.append((time.perf_counter() - start, parameters_to_vector(params).detach()))
     sync.close()
     seconds = time.perf_counter() - start
-    phases.update(wall=seconds, cpu=time.process_time() - cpu)
+    phases.update(wall=seconds, cpu=time.process_time() - cpu,
+                  counters=sync.counters() if hasattr(sync, "counters") else {})
     own = parameters_to_vector(params).detach()
     log = [(t, score(model, flat, data)) for t, flat in copies]
     vector_to_parameters(pycoll.allreduce(own), params)

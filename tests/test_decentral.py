@@ -236,3 +236,29 @@ def test_adpsgd_averages_atomically_then_applies_the_gradient(pycoll_world):
     (averaged,) = [r for r in range(1, pycoll.size(), 2) if weights[r] == 5.0]
     want[averaged] = 5.0
     np.testing.assert_array_equal(weights, want)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_adpsgd_serializes_two_actives_at_one_passive(pycoll_world):
+    """Actives 0 and 2 (x = 0 and 20) both average with passive 1 (x = 10) at once: the
+    passive's lock makes the averagings one after the other, so the result is one of the
+    two serial orders (0 first: 5, 12.5, 12.5; 2 first: 7.5, 7.5, 15), never a mix; the
+    passive counts both."""
+    torch = pytest.importorskip("torch")
+    from pycoll.decentral import ADPSGD
+    rank = pycoll.rank()
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_({0: 0.0, 2: 20.0}.get(rank, 10.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    sync = ADPSGD(model, seed=rank)
+    sync.rng.choice = lambda passives: 1            # every active picks rank 1
+    if rank in (0, 2):
+        model.weight.grad = torch.zeros_like(model.weight)
+        sync.step(optimizer)
+    sync.close()
+    weights = pycoll.allgather(np.array([model.weight.item()]))[:3].tolist()
+    assert weights in ([5.0, 12.5, 12.5], [7.5, 7.5, 15.0]), weights
+    counters = pycoll.allgather(np.array([sync.counters()["averages"]]))
+    assert counters[:3].tolist() == [1, 2, 1]
+    assert all(c == 0 for c in counters[3:])

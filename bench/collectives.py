@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:2]
     pycoll.init()
     n, rows, ok = comm.size, [], True
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     mach, memcpy = machine(torch), memcpy_gbps()
     if comm.rank == 0:
         print(header(args, note, mach, memcpy), flush=True)
@@ -346,10 +346,13 @@ def main(argv=None) -> int:
             print("\n" + targets_line(tg))
         if args.iters:
             print("\n" + "\n".join(short_path_lines(rows, ops)))
-        print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
+        # the load decides what a 4-rank run on 2 cores measures: say what it was
+        load = "; load average " + " -> ".join(f"{x[0]:.1f}" for x in (load0, os.getloadavg()))
+        print(f"\n# {elapsed:.1f} s{load}" + ("" if not args.check else
               "; check " + ("OK" if ok else "FAILED")), flush=True)
         if args.json:
             meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,
+                        load_average=[load0[0], os.getloadavg()[0]],
                         impls=list(impls), note=note, args=vars(args), elapsed_s=elapsed,
                         check_ok=ok if args.check else None, targets=tg)
             write_json(args.json, meta, rows)

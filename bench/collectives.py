@@ -5,12 +5,13 @@
         [--min-bytes 4] [--max-bytes 64M] [--step-factor 4] [--dtype float32]
         [--iters 20] [--target-ms 20] [--warmup 5] [--batches 5] [--check] [--json PATH]
         [--plot PNG]
-        [--no-gloo]
+        [--no-gloo] [--numpy]
 
 Modelled on nccl-tests: one harness, and per collective a table entry saying how to lay
 out its buffers, how each implementation calls it and what it must produce. The three
 implementations share memory: numpy arrays for mpi4py, torch views of the same arrays
-(torch.from_numpy) for pycoll and gloo. Forms timed: in place, or into a given output
+(torch.from_numpy) for pycoll and gloo (--numpy: pycoll gets the numpy arrays, to tell
+torch's accessors from pycoll's own cost). Forms timed: in place, or into a given output
 (out=), as mpi4py's calls reuse theirs, so that no row measures an allocation:
 
   allreduce       pycoll.allreduce_(t, op=Sum)          Allreduce(IN_PLACE)   dist.all_reduce
@@ -52,17 +53,20 @@ from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine
 IMPLS = ("pycoll", "mpi4py", "gloo")
 DTYPES = ("float32", "float64", "int32", "int64")
 torch = dist = None                              # set in main() by setup_gloo()
+NUMPY = False                                    # --numpy: pycoll gets the numpy arrays
 
 
 class Bufs:
-    """One op's buffers: numpy ``send``/``recv`` and torch views ``tsend``/``trecv``."""
+    """One op's buffers: numpy ``send``/``recv``, torch views ``tsend``/``trecv``, and what
+    pycoll gets, ``psend``/``precv`` (the torch views, or with --numpy the arrays)."""
 
     def __init__(self, send: np.ndarray, recv: np.ndarray):
         self.send, self.recv = send, recv
-        # Without torch, pycoll gets the numpy arrays themselves.
+        # Without torch (or with --numpy), pycoll gets the numpy arrays themselves.
         view = torch.from_numpy if torch is not None else (lambda a: a)
         self.tsend = view(send)
         self.trecv = self.tsend if recv is send else view(recv)
+        self.psend, self.precv = (send, recv) if NUMPY else (self.tsend, self.trecv)
 
 
 def pattern(rank: int, count: int, dtype) -> np.ndarray:
@@ -95,31 +99,31 @@ class Coll:
 COLLS = {
     "allreduce": Coll(
         lambda c, n: (c, c), lambda n: 2 * (n - 1) / n,
-        lambda b: pycoll.allreduce_(b.tsend, op=pycoll.Sum),
+        lambda b: pycoll.allreduce_(b.psend, op=pycoll.Sum),
         lambda b: comm.Allreduce(MPI.IN_PLACE, b.send, op=MPI.SUM),
         lambda b: dist.all_reduce(b.tsend),
         lambda c, n, r, dt: world_sum(c, n, dt), in_place=True),
     "allgather": Coll(
         lambda c, n: (c // n, c), lambda n: (n - 1) / n,
-        lambda b: pycoll.allgather(b.tsend, out=b.trecv),
+        lambda b: pycoll.allgather(b.psend, out=b.precv),
         lambda b: comm.Allgather(b.send, b.recv),
         lambda b: dist.all_gather_single(b.trecv, b.tsend),
         lambda c, n, r, dt: np.concatenate([pattern(j, c // n, dt) for j in range(n)])),
     "broadcast": Coll(
         lambda c, n: (c, c), lambda n: 1.0,
-        lambda b: pycoll.broadcast_(b.tsend, root=0),
+        lambda b: pycoll.broadcast_(b.psend, root=0),
         lambda b: comm.Bcast(b.send, root=0),
         lambda b: dist.broadcast(b.tsend, src=0),
         lambda c, n, r, dt: pattern(0, c, dt), in_place=True),
     "reduce_scatter": Coll(
         lambda c, n: (c, c // n), lambda n: (n - 1) / n,
-        lambda b: pycoll.reduce_scatter(b.tsend, op=pycoll.Sum, out=b.trecv),
+        lambda b: pycoll.reduce_scatter(b.psend, op=pycoll.Sum, out=b.precv),
         lambda b: comm.Reduce_scatter_block(b.send, b.recv, op=MPI.SUM),
         lambda b: dist.reduce_scatter_single(b.trecv, b.tsend),
         lambda c, n, r, dt: block(world_sum(c, n, dt), r, n)),
     "alltoall": Coll(
         lambda c, n: (c, c), lambda n: (n - 1) / n,
-        lambda b: pycoll.alltoall(b.tsend, out=b.trecv)[0],
+        lambda b: pycoll.alltoall(b.psend, out=b.precv)[0],
         lambda b: comm.Alltoall(b.send, b.recv),
         lambda b: dist.all_to_all_single(b.trecv, b.tsend),
         lambda c, n, r, dt: np.concatenate([block(pattern(j, c, dt), r, n)
@@ -321,6 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every row and the metadata")
     p.add_argument("--plot", metavar="PNG", help="write a plot of busbw against size")
     p.add_argument("--no-gloo", action="store_true", help="skip torch.distributed")
+    p.add_argument("--numpy", action="store_true",
+                   help="pycoll gets the numpy arrays mpi4py gets, not torch views of them")
     args = p.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(ops) - set(COLLS)
@@ -328,12 +334,15 @@ def main(argv=None) -> int:
         p.error(f"unknown ops {sorted(unknown)}" if unknown else
                 "need --step-factor > 1, --batches >= 1, --min-bytes >= 1")
 
-    global torch, dist
+    global torch, dist, NUMPY
     torch, dist, note = setup_gloo(args.no_gloo)
+    NUMPY = args.numpy
+    if NUMPY:
+        note = (note + "; " if note else "") + "pycoll on the numpy arrays (--numpy)"
     impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:2]
     pycoll.init()
     n, rows, ok = comm.size, [], True
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), os.getloadavg()
     mach, memcpy = machine(torch), memcpy_gbps()
     if comm.rank == 0:
         print(header(args, note, mach, memcpy), flush=True)
@@ -346,10 +355,13 @@ def main(argv=None) -> int:
             print("\n" + targets_line(tg))
         if args.iters:
             print("\n" + "\n".join(short_path_lines(rows, ops)))
-        print(f"\n# {elapsed:.1f} s" + ("" if not args.check else
+        # the load decides what a 4-rank run on 2 cores measures: say what it was
+        load = "; load average " + " -> ".join(f"{x[0]:.1f}" for x in (load0, os.getloadavg()))
+        print(f"\n# {elapsed:.1f} s{load}" + ("" if not args.check else
               "; check " + ("OK" if ok else "FAILED")), flush=True)
         if args.json:
             meta = dict(mach, mpi=MPI.Get_library_version().strip(), memcpy_gbps=memcpy,
+                        load_average=[load0[0], os.getloadavg()[0]],
                         impls=list(impls), note=note, args=vars(args), elapsed_s=elapsed,
                         check_ok=ok if args.check else None, targets=tg)
             write_json(args.json, meta, rows)

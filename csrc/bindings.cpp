@@ -273,6 +273,8 @@ PYBIND11_MODULE(_C, m) {
          "leave=None): whenever the settings change; enter/leave pace each round under --link."},
         {"short_path_runs", short_path::count, METH_NOARGS,
          "How many collectives the *_now functions have run in this process."},
+        {"mpi_calls", short_path::mpi_calls, METH_NOARGS,
+         "How many MPI collective calls pycoll._C has made in this process (the rounds a collective took)."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
          "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, failed, "

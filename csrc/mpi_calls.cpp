@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <iterator>
 #include <type_traits>
@@ -10,7 +11,7 @@
 namespace pycoll::mpi {
 namespace {
 
-// The functions, in the order of kNames.
+// The functions, in the order of kNames: the collectives first (counted), up to kCommRank.
 enum Fn { kAllreduce, kBcast, kAllgather, kAllgatherv, kAlltoall, kAlltoallv, kReduceScatter, kReduceScatterBlock,
           kCommRank,
           kIsend, kIrecv, kTest, kTestany, kCancel, kWait, kCount };
@@ -21,6 +22,7 @@ const char* const kNames[kCount] = {"MPI_Allreduce", "MPI_Bcast", "MPI_Allgather
                                     "MPI_Wait"};
 void* fn[kCount] = {};
 size_t handle_bytes = 0;
+std::atomic<uint64_t> collectives{0};
 
 // Statuses are never read: a buffer larger than any MPI_Status, where MPI may write one
 // (MPI_STATUS_IGNORE's value differs between MPIs and mpi4py does not expose it).
@@ -55,6 +57,7 @@ template <class H, class... A> int invoke(Fn f, A... args) {
 
 // MPI function `f` in the bound ABI.
 template <class... A> int call(Fn f, A... args) {
+    if (f < kCommRank) collectives.fetch_add(1, std::memory_order_relaxed);
     return ints() ? invoke<int>(f, args...) : invoke<void*>(f, args...);
 }
 
@@ -80,6 +83,8 @@ std::string bind(const char* module_path, size_t handle_size) {
 }
 
 bool bound() { return fn[kAllreduce] != nullptr; }
+
+uint64_t collective_calls() { return collectives.load(std::memory_order_relaxed); }
 
 int allreduce(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm) {
     return call(kAllreduce, send, recv, count, Handle{datatype}, Handle{op}, Handle{comm});

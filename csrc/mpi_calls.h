@@ -18,6 +18,9 @@ namespace pycoll::mpi {
 // (MPICH and its derivatives). Returns "" once bound, else why not.
 std::string bind(const char* module_path, size_t handle_size);
 bool bound();
+// How many collective calls (allreduce ... reduce_scatter_block below) this process has
+// made through here: what tests count to see how many rounds a collective took.
+uint64_t collective_calls();
 
 // Every call returns MPI's error code. Call without the GIL.
 int allreduce(const void* send, void* recv, int count, intptr_t datatype, intptr_t op, intptr_t comm);

@@ -48,28 +48,35 @@ bool as_ptr(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints to
 // ---------------------------------------------------------------- the Gate
 
 // Who runs the next operation of a process: the engine's thread or a caller. All of its
-// state changes with the GIL held, so each method is atomic.
+// state changes with the GIL held, so each method is atomic. What runs is kept as its
+// name and start, not as a tuple: a claim allocates nothing (running() makes the tuple,
+// for the watchdog once a second).
 struct Gate {
     PyObject_HEAD
     PyObject* wake;     // called by release() when work is pending: the engine's thread may sleep
-    PyObject* running;  // (name, start) of what runs now, or None
+    PyObject* name;     // what runs now, or nullptr
+    double start;       // since when (time.monotonic())
     Py_ssize_t pending; // batches queued or open, as the engine last said
     bool idle;          // the token is here
 };
 
+// What the holder of the token runs now.
+void running_as(Gate* g, PyObject* name) {
+    Py_XSETREF(g->name, Py_NewRef(name));
+    g->start = monotonic();
+}
+
 // The token for a caller, if nothing issued earlier is queued or open (that runs first).
 bool claim(Gate* g, PyObject* name) {
     if (!g->idle || g->pending) return false;
-    PyObject* running = Py_BuildValue("(Od)", name, monotonic());
-    if (!running) return false;
     g->idle = false;
-    Py_SETREF(g->running, running);
+    running_as(g, name);
     return true;
 }
 
 int release(Gate* g) {
     g->idle = true;
-    Py_SETREF(g->running, Py_NewRef(Py_None));
+    Py_CLEAR(g->name);
     if (!g->pending) return 0;
     Ref done(PyObject_CallNoArgs(g->wake));
     return done ? 0 : -1;
@@ -81,7 +88,7 @@ int gate_init(PyObject* self, PyObject* args, PyObject* kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:Gate", const_cast<char**>(keywords), &wake)) return -1;
     auto* g = reinterpret_cast<Gate*>(self);
     Py_XSETREF(g->wake, Py_NewRef(wake));
-    Py_XSETREF(g->running, Py_NewRef(Py_None));
+    Py_CLEAR(g->name);
     g->pending = 0;
     g->idle = true;
     return 0;
@@ -90,14 +97,12 @@ int gate_init(PyObject* self, PyObject* args, PyObject* kwargs) {
 void gate_dealloc(PyObject* self) {
     auto* g = reinterpret_cast<Gate*>(self);
     Py_XDECREF(g->wake);
-    Py_XDECREF(g->running);
+    Py_XDECREF(g->name);
     Py_TYPE(self)->tp_free(self);
 }
 
 PyObject* gate_claim(PyObject* self, PyObject* name) {
-    bool claimed = claim(reinterpret_cast<Gate*>(self), name);
-    if (PyErr_Occurred()) return nullptr;
-    return PyBool_FromLong(claimed);
+    return PyBool_FromLong(claim(reinterpret_cast<Gate*>(self), name));
 }
 
 PyObject* gate_take(PyObject* self, PyObject*) {
@@ -108,10 +113,7 @@ PyObject* gate_take(PyObject* self, PyObject*) {
 }
 
 PyObject* gate_running_as(PyObject* self, PyObject* name) {
-    auto* g = reinterpret_cast<Gate*>(self);
-    PyObject* running = Py_BuildValue("(Od)", name, monotonic());
-    if (!running) return nullptr;
-    Py_SETREF(g->running, running);
+    running_as(reinterpret_cast<Gate*>(self), name);
     Py_RETURN_NONE;
 }
 
@@ -120,7 +122,10 @@ PyObject* gate_release(PyObject* self, PyObject*) {
     Py_RETURN_NONE;
 }
 
-PyObject* gate_running(PyObject* self, PyObject*) { return Py_NewRef(reinterpret_cast<Gate*>(self)->running); }
+PyObject* gate_running(PyObject* self, PyObject*) {
+    auto* g = reinterpret_cast<Gate*>(self);
+    return g->name ? Py_BuildValue("(Od)", g->name, g->start) : Py_NewRef(Py_None);
+}
 
 PyObject* gate_get_pending(PyObject* self, void*) { return PyLong_FromSsize_t(reinterpret_cast<Gate*>(self)->pending); }
 
@@ -178,7 +183,8 @@ struct Functions {
     PyObject* resolve = nullptr;      // resolve(group) -> an object with .handle and .ranks
     PyObject* empty_like = nullptr;   // empty_like(x, shape): an out-of-place result
     Py_ssize_t huge_paged = 0;        // torch results this large come from empty_like too (numpy's pages)
-    PyObject* new_counts = nullptr;   // new_counts(n): an int64 numpy array (alltoall's received splits)
+    PyObject* empty = nullptr;        // numpy.empty: empty(n, counts_dtype) makes n int64s (new_counts)
+    PyObject* counts_dtype = nullptr; // numpy's int64 dtype
     PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
     PyObject* views = nullptr;        // views(x, nbytes, runs) -> (views, address): a new buffer cut into runs of views
     PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
@@ -340,6 +346,20 @@ PyObject* new_like(PyObject* x, PyObject* shape, Py_ssize_t nbytes, Host& out) {
     return read ? nullptr : result.release();
 }
 
+// n new int64s (numpy.empty(n, int64): a numpy array, as the general path returns), read
+// into `out`; nullptr with an error.
+PyObject* new_counts(Py_ssize_t n, Host& out) {
+    Ref count(PyLong_FromSsize_t(n));
+    PyObject* args[] = {count.get(), fn.counts_dtype};
+    Ref made(count ? PyObject_Vectorcall(fn.empty, args, 2, nullptr) : nullptr);
+    if (!made) return nullptr;
+    if (read_host(made.get(), true, out) != 0 || out.nbytes != 8 * n) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "empty(n, counts_dtype) must make n writable int64s");
+        return nullptr;
+    }
+    return made.release();
+}
+
 // new_like shaped (rows, *dims[1:]), of `itemsize` elements.
 PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims, Py_ssize_t itemsize, Host& out) {
     int64_t nbytes = rows * itemsize;
@@ -356,7 +376,7 @@ PyObject* new_result(PyObject* x, int64_t rows, const std::vector<int64_t>& dims
 
 // The route of (op, dtype), borrowed from our table; nullptr with no error: an op that is not
 // even hashable (the general path names what is wrong with it).
-const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
+const Route* route_in_table(PyObject* op, PyObject* x, PyObject* dtype) {
     Ref key(PyTuple_Pack(2, op, dtype));
     if (!key) return nullptr;
     PyObject* capsule = PyDict_GetItemWithError(fn.routes, key.get());
@@ -395,6 +415,31 @@ const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
     if (!held) return nullptr;
     const Route* kept = route.release();
     return PyDict_SetItem(fn.routes, key.get(), held.get()) < 0 ? nullptr : kept;
+}
+
+// The route found last: a collective called again with the same op and dtype (the usual
+// case) skips route_in_table's key tuple and lookup. It holds op and dtype, so that no other
+// object takes their addresses; short_path_setup forgets it.
+struct LastRoute {
+    PyObject *op = nullptr, *dtype = nullptr;
+    const Route* route = nullptr;
+} last_route;
+
+void forget_route() {
+    Py_CLEAR(last_route.op);
+    Py_CLEAR(last_route.dtype);
+    last_route.route = nullptr;
+}
+
+// route_in_table, through last_route.
+const Route* route_of(PyObject* op, PyObject* x, PyObject* dtype) {
+    if (op == last_route.op && dtype == last_route.dtype) return last_route.route;
+    const Route* route = route_in_table(op, x, dtype);
+    if (route) {
+        forget_route();
+        last_route = {Py_NewRef(op), Py_NewRef(dtype), route};
+    }
+    return route;
 }
 
 // The communicator a collective runs on, its size, and the group's carried capacities (its
@@ -686,21 +731,22 @@ bool init(PyObject* module) {
 
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
     static const char* keywords[] = {"ndarray", "is_torch", "find_route", "resolve", "empty_like", "huge_paged",
-                                     "new_counts", "failed", "views", "staging", "alone_bytes", "cached_piece", "mpi_error",
-                                     "in_place", "byte", "int64", nullptr};
+                                     "empty", "counts_dtype", "failed", "views", "staging", "alone_bytes",
+                                     "cached_piece", "mpi_error", "in_place", "byte", "int64", nullptr};
     Functions f;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOnnOnnn:short_path_setup", const_cast<char**>(keywords),
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOnOOOOOnnOnnn:short_path_setup", const_cast<char**>(keywords),
                                      &PyType_Type, &f.ndarray, &f.is_torch, &f.find_route, &f.resolve, &f.empty_like,
-                                     &f.huge_paged, &f.new_counts, &f.failed, &f.views, &f.staging,
+                                     &f.huge_paged, &f.empty, &f.counts_dtype, &f.failed, &f.views, &f.staging,
                                      &f.alone_bytes, &f.cached_piece, &f.mpi_error, &f.in_place, &f.byte, &f.int64))
         return nullptr;
     f.kinds = PyDict_New();
     f.routes = PyDict_New();
     if (!f.kinds || !f.routes) return nullptr;
-    for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.new_counts,
+    for (PyObject* held : {f.ndarray, f.is_torch, f.find_route, f.resolve, f.empty_like, f.empty, f.counts_dtype,
                            f.failed, f.views, f.staging, f.mpi_error})
         Py_INCREF(held);  // for the life of the process, as the module that passed them
     f.ready = true;
+    forget_route();  // of the table fn.routes replaced
     fn = f;
     Py_RETURN_NONE;
 }
@@ -1023,12 +1069,9 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         header[0] = std::max(header[0], parts[d]);
         header.push_back(sent[d]);
     }
-    Ref received(PyObject_CallFunction(fn.new_counts, "n", t.size));
     Host got;
-    if (!received || read_host(received.get(), true, got) != 0 || got.nbytes != 8 * t.size) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "new_counts(n) must make n writable int64s");
-        return nullptr;
-    }
+    Ref received(new_counts(t.size, got));
+    if (!received) return nullptr;
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
     Token token(name, s.alltoall);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
@@ -1114,9 +1157,9 @@ PyObject* carried_exchange(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Carried c;
     if (!without_gil([&] { return exchange(static_cast<Kind>(kind), t, header, send, parts, c); })) return nullptr;
     const size_t words = static_cast<size_t>(t.size) * c.block / 8;
-    Ref blocks(PyObject_CallFunction(fn.new_counts, "n", static_cast<Py_ssize_t>(words)));
     Host h;
-    if (!blocks || read_host(blocks.get(), true, h) != 0) return nullptr;
+    Ref blocks(new_counts(static_cast<Py_ssize_t>(words), h));
+    if (!blocks) return nullptr;
     std::memcpy(h.ptr, c.got, 8 * words);
     return Py_BuildValue("(OO)", blocks.get(), c.complete ? Py_True : Py_False);
 }
@@ -1330,5 +1373,7 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
 }
 
 PyObject* count(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(runs); }
+
+PyObject* mpi_calls(PyObject*, PyObject*) { return PyLong_FromUnsignedLongLong(mpi::collective_calls()); }
 
 }  // namespace pycoll::short_path

@@ -14,7 +14,7 @@ namespace pycoll::short_path {
 
 bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 
-// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts,
+// short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, empty, counts_dtype,
 // failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
@@ -54,6 +54,8 @@ PyObject* host_pointers(PyObject*, PyObject* xs);
 PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 // short_path_runs() -> how many collectives the short path has run in this process.
 PyObject* count(PyObject*, PyObject*);
+// mpi_calls() -> how many MPI collective calls pycoll._C has made in this process.
+PyObject* mpi_calls(PyObject*, PyObject*);
 
 // How a dtype goes to MPI, and an op's reduction of it (op None: no reduction), as
 // find_route said; kept per (op, dtype) for this path and partial_now.

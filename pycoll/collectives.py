@@ -716,7 +716,7 @@ def _plan_barrier(group, name):
 _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
-                    new_counts=functools.partial(np.empty, dtype=np.int64),
+                    empty=np.empty, counts_dtype=np.dtype(np.int64),
                     failed=_disagreed, views=tensors.views_like,
                     staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, cached_piece=_CACHED_PIECE,

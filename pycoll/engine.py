@@ -232,7 +232,7 @@ class Engine:
                 continue
             name, start = running
             waited = time.monotonic() - start
-            if waited > config.get("stall_warning_s") and warned is not running:
+            if waited > config.get("stall_warning_s") and warned != running:
                 warned = running
                 logging.getLogger("pycoll").warning(
                     "pycoll: %s has run for %.0f s; a rank may have skipped it or died "

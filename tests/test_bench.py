@@ -85,11 +85,19 @@ def test_sizes_split_across_ranks(small_sweep):
 
 
 def test_json_meta(small_sweep):
-    _, data, _ = small_sweep
+    stdout, data, _ = small_sweep
     meta = data["meta"]
     assert meta["memcpy_gbps"] > 0 and meta["cpus"] >= 1 and meta["host"]
     assert meta["targets"]["allreduce_4B_1KiB_max_pycoll_minus_mpi4py_us"] is not None
     assert meta["targets"]["allreduce_64MiB_pycoll_over_mpi4py"] is None     # not run
+    assert len(meta["load_average"]) == 2 and min(meta["load_average"]) >= 0
+    assert "; load average " in stdout
+
+
+def test_pycoll_on_the_numpy_arrays_checks_out():
+    stdout = run_bench(BENCH, "--max-bytes", "1024", "--iters", "0", "--check", "--no-gloo",
+                       "--numpy")
+    assert "pycoll on the numpy arrays" in stdout and "check OK" in stdout
 
 
 def test_plot(small_sweep):

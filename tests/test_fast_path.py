@@ -221,6 +221,36 @@ def test_either_path_meets_the_other_whatever_the_capacity(group, short_runs):
     assert short_runs() == (0 if rank % 2 else 3 * len(sizes))
 
 
+def test_every_collective_makes_one_mpi_call_where_its_sizes_ride_along(group, short_runs):
+    """As many MPI calls as mpi4py's one: allreduce and broadcast always; allgather and
+    alltoall once the group has carried parts of their size (up to 4 KiB), reduce_scatter
+    up to 16 KiB. A larger part takes two (the sizes, then MPI's own call)."""
+    arg, rank, size = group
+
+    def calls(call):
+        start = _C.mpi_calls()
+        call()
+        return _C.mpi_calls() - start
+
+    def every(rows, width):
+        x, out = np.ones((rows * size, width), np.float32), np.empty((rows, width), np.float32)
+        gathered = np.empty((rows * size * size, width), np.float32)
+        return {"allreduce_": lambda: pycoll.allreduce_(x, op=pycoll.Sum, group=arg),
+                "broadcast_": lambda: pycoll.broadcast_(x, root=0, group=arg),
+                "allgather": lambda: pycoll.allgather(x, group=arg, out=gathered),
+                "alltoall": lambda: pycoll.alltoall(x, group=arg, out=np.empty_like(x)),
+                "reduce_scatter": lambda: pycoll.reduce_scatter(x, op=pycoll.Sum, group=arg,
+                                                                out=out)}
+    small = every(2, 8)                     # 64-byte parts
+    for name, call in small.items():
+        calls(call)                         # the group learns the part's size
+        assert (name, calls(call)) == (name, 1)
+    large = every(1024, 8)                  # 32 KiB parts: past every capacity
+    for name in ("allgather", "alltoall", "reduce_scatter"):
+        assert (name, [calls(large[name]) for _ in range(2)]) == (name, [2, 2])
+    assert short_runs() == 2 * len(small) + 6
+
+
 def test_what_the_short_path_leaves_to_the_other_collectives_general_paths(group, short_runs):
     arg, rank, size = group
     with pytest.raises(ValueError, match="root must be a rank"):

@@ -127,6 +127,11 @@ class Server:
         self.sending: List[_Sending] = []                    # replies still in flight
         self.queued: List[_Queued] = []                      # answers waiting for credit
         self.credit = config.get("ps_reply_credit")
+        # Without a link a payload comes at memory speed and the wait for it spins; under
+        # one the emulation holds it until its modelled arrival (tens of ms for a large
+        # push), and spinning then took a core from the workers (bench/overlap.py's PS
+        # server: 135 ms of CPU a 250 ms step).
+        self.link = bool(config.get("link"))
         self.answer_order = itertools.count()                # ties in priority: FIFO
         self.abandoned: list = []                            # receives that never completed
         self.quiet_since = self.last_housekeeping = time.monotonic()
@@ -507,10 +512,14 @@ class Server:
         call.pending = [p for p in call.pending if p[0] is not message]
         call.taken += 1
         request = message.Irecv([into, into.nbytes, MPI.BYTE])
-        deadline = time.monotonic() + self.timeout
+        since = time.monotonic()
+        deadline = since + self.timeout
         while not request.Test():
             self._retire()                  # the answers' credit frees while this comes in
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if self.link:   # held to its modelled arrival: a release ends the nap, and 1/8
+                wire.nap(now - since, SLEEP_MIN, SLEEP_MAX)     # bounds it where none comes
+            if now > deadline:
                 request.Cancel()
                 self.abandoned.append((request, into))      # MPI may still write there
                 if into.base is self.scratch:

@@ -277,7 +277,7 @@ PYBIND11_MODULE(_C, m) {
          "How many MPI collective calls pycoll._C has made in this process (the rounds a collective took)."},
         {"short_path_setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(short_path::setup)),
          METH_VARARGS | METH_KEYWORDS,
-         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, new_counts, failed, "
+         "short_path_setup(ndarray, is_torch, find_route, resolve, empty_like, huge_paged, empty, counts_dtype, failed, "
          "views, staging, alone_bytes, cached_piece, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,

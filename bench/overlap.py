@@ -12,33 +12,42 @@ early in backward and needed late in forward, the overlap those papers exploit.
 ``--layout middle`` puts them mid-way, where neither backward nor forward has much
 compute left to hide their transfer behind.
 
-Sizing, per point (``sizing``), in the cluster's time: a step's nominal compute (the
-sleeps: a small layer's forward ``ms``, a large one's 4 ``ms``, backward twice forward,
-so 3 x 34 ``ms`` a step with 24 small layers) equals the link model's communication for
-the model's bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS: every
-worker's bytes through the servers' links, one direction). Only where the two are equal
-does hiding all communication halve the step (allreduce) or more (the PS, whose pulls
-follow all pushes); with either much larger every schedule is near the bound. The model
-is the same at every point (large layers 64 x ``--width``, 4096: 2.41 MiB), so a fast
-link means little compute per layer beside the link's latency: allreduce 10 Gb/s 0.033
-ms per small layer (3.3 ms of compute and of communication a step), 1 Gb/s 0.301 ms
-(30.7 ms); PS 10 Gb/s 0.080 ms (8.2 ms), 1 Gb/s 0.795 ms (81.1 ms).
+Sizing, per point (``sizing``), in the cluster's time: the link model's communication
+for the model's bytes (allreduce: the emulated ring's time at ``--workers`` ranks; PS:
+every worker's bytes through the servers' links, one direction) is ``--ratio`` (RATIO,
+0.7) of a step's nominal compute (the sleeps: a small layer's forward ``ms``, a large
+one's 4 ``ms``, backward twice forward, so 3 x 58 ``ms`` a step with 48 small layers).
+Why not 1, where hiding all communication would gain most (2x over default for
+allreduce): there no schedule can reach the bound. The link can start on a step's bytes
+only once backward makes them (the large layers' after a sixth of backward: they sit
+near the output), and the next forward needs each layer's before it runs, so the link
+has less than a step to carry a step's communication; the planner's own model puts the
+best plan at 1.19-1.46x the bound at ratio 1 (docs/benchmarks.md). At 0.7 hiding it all
+still gains up to 1.7x over default (allreduce; 2.4x on the PS, whose pulls follow all
+pushes), and the bound is within reach. With either side much larger every schedule is
+near the bound. The model is the same at every point (``--small`` 48 small layers of
+16 KiB, large layers 64 x ``--width``, 8192: 4.81 MiB; about 100 tensors, as many as
+ResNet-50 has), so a fast link means little compute per layer beside the link's
+latency: a small layer's forward is 0.052 ms at allreduce 10 Gb/s (9.1 ms of compute and
+6.4 of communication a step), 0.499 ms at 1 Gb/s (87 / 61 ms); PS 10 Gb/s 0.133 ms (23 /
+16 ms), 1 Gb/s 1.326 ms (231 / 161 ms).
 
 Time dilation (``--sizing dilate``, the default): the sleeps burn no CPU, but the real
 work (the hooks, autograd, MPI's copies, the engine, the PS threads) does, on 2 cores
 shared by every rank, and does not scale with the cluster's time; sub-millisecond steps
 would measure this machine, not the cluster. So each point runs k times slower than the
-cluster, k = ``REAL_MS`` / ``ms`` (at least 1): every sleep k times longer, the link's
+cluster, k = ``--real-ms`` / ``ms`` (at least 1): every sleep k times longer, the link's
 latency k times longer and its bandwidth k times lower (``dilated``). Every ratio of the
 cluster (compute to communication, latency to bytes, hence every schedule's speedup and
-step / bound) is kept, a small layer sleeps at least ``REAL_MS`` (1 ms) on this machine,
-and the real CPU is small beside the emulated compute: k = 30.6, 3.3, 12.5, 1.26 at the
-four points, whose steps then all take 102 ms of compute and 102 ms of link time (the
+step / bound) is kept, a small layer sleeps at least ``REAL_MS`` (2 ms) on this machine,
+and the real CPU is small beside the emulated compute: k = 38.3, 4.0, 15.0, 1.51 at the
+four points, whose steps then all take 348 ms of compute and 244 ms of link time (the
 times printed are this machine's, k times the cluster's). The real work is also kept
 small (examples/overlap_train.py: one-row batches through matrix-vector kernels, one
 autograd node per layer, a fused optimizer) and measured: "w cpu" is a worker's real
 CPU per step (every thread, ``time.process_time``; the workers' mean), "s cpu" the
-server's, and each point's line gives the workers' with no communication.
+server's, and each point's line gives the workers' with no communication. (Before
+2026-11-27 the defaults were ratio 1, 24 small layers, width 4096, REAL_MS 1.)
 
 The sizings before (``--sizing widen``, 2026-11-24's fourth pass): no dilation; ``ms``
 at least ``MIN_MS`` (0.25) and, where that binds (10 Gb/s), the large layers widened
@@ -53,8 +62,8 @@ scaling efficiency (compute / step, 1.0 being perfect scaling), the partitions a
 iPart's step by its own model (calibrated to the profiled steps) with the alpha and cpu
 (per partition, ms) it fitted, iPart's speedups over default and layerwise, step /
 overlap bound, and the ceiling of any schedule's gain over default (default's serial
-step by the model / the bound: 2x for allreduce where compute = comm, 3x for the PS,
-whose pulls follow all pushes), and the real CPU per step. Compute is the step time of
+step by the model / the bound: 1.7x for allreduce at ratio 0.7, 2.4x for the PS, whose
+pulls follow all pushes), and the real CPU per step. Compute is the step time of
 the same training with no communication, measured in the same job on every rank at
 once; communication is the link model's time for a step's bytes (allreduce: the
 emulated ring's cost; PS: every worker's bytes through the servers' links, one
@@ -73,7 +82,8 @@ from pycoll.emulation import collective_time, parse_link
 SCHEDULES = ("default", "layerwise", "ipart")
 LINKS = ("50us,1.25GB/s", "50us,125MB/s")            # 10 Gb/s and 1 Gb/s
 MIN_MS = 0.25           # --sizing widen / fixed: a small layer's least forward, cluster ms
-REAL_MS = 1.0           # --sizing dilate: a small layer's least forward on this machine, ms
+REAL_MS = 2.0           # --sizing dilate: a small layer's least forward on this machine, ms
+RATIO = 0.7             # a step's communication / its compute, by the link model (docstring)
 
 
 def model_bytes(small: int, width: int) -> int:
@@ -90,9 +100,9 @@ def sizing(mode, link, args):
 
     def comm(width):
         return communication(mode, link, model_bytes(args.small, width), args)
-    balanced = 1e3 * comm(args.width) / (3 * forwards)
+    balanced = 1e3 * comm(args.width) / (args.ratio * 3 * forwards)
     if args.sizing == "dilate":
-        return balanced, args.width, max(1.0, REAL_MS / balanced)
+        return balanced, args.width, max(1.0, getattr(args, "real_ms", REAL_MS) / balanced)
     compute = 3 * forwards * MIN_MS / 1e3      # at the floor
     if args.sizing == "fixed" or comm(args.width) >= compute:
         return max(MIN_MS, balanced), args.width, 1.0
@@ -173,8 +183,8 @@ def main():
     parser.add_argument("--modes", default="allreduce,ps")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 round")
-    parser.add_argument("--small", type=int, default=24)
-    parser.add_argument("--width", type=int, default=4096,
+    parser.add_argument("--small", type=int, default=48)
+    parser.add_argument("--width", type=int, default=8192,
                         help="the large layers' (widened by --sizing widen: see above)")
     parser.add_argument("--sizing", choices=("dilate", "widen", "fixed"), default="dilate",
                         help="dilate: time slowed until a small layer sleeps REAL_MS; widen: "
@@ -183,10 +193,16 @@ def main():
     parser.add_argument("--layout", choices=("end", "middle"), default="end",
                         help="the two large layers before the output layer (VGG-like) or mid-way")
     parser.add_argument("--ms", type=float, default=0.0,
-                        help="a small layer's forward, ms (0: compute = communication)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per schedule, in turn")
+                        help="a small layer's forward, ms (0: sized by --ratio)")
+    parser.add_argument("--real-ms", type=float, default=REAL_MS,
+                        help="--sizing dilate: a small layer's least forward on this machine, ms")
+    parser.add_argument("--ratio", type=float, default=RATIO,
+                        help="communication / compute of a step, by the link model (1: equal)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per schedule, in turn")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
+    if not args.ratio > 0:
+        parser.error(f"--ratio must be > 0 (communication / compute), got {args.ratio}")
     links = args.link or list(LINKS)
     if args.quick:
         args.steps, args.rounds = 10, 1

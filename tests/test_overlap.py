@@ -183,6 +183,24 @@ def test_the_server_sends_waiting_answers_most_urgent_first():
     assert sent[-2:] == [6, 7] and not server.queued
 
 
+def test_only_iparts_pulls_carry_priorities_layerwise_is_answered_in_arrival_order():
+    """iPart's PS partitions ask for their answers by forward index; layerwise's all ask
+    alike, so the server answers them in arrival order, as a plain PS does."""
+    from pycoll.overlap.transports import ParameterServer
+
+    params = [torch.zeros(2, 3), torch.zeros(4)]
+    items = [Piece(0, 0, 2), Piece(1, 0, 4)]
+    for urgent, expected in ((True, [1, 0]), (False, [0, 0])):
+        asked = []
+
+        def push_pull(names, values, outs, priority):
+            asked.append(priority)
+        transport = ParameterServer(params, ["w", "b"], items, push_pull, None, urgent=urgent)
+        for k in (1, 0):
+            transport.issue(k, (items[k],))
+        assert asked == expected
+
+
 def test_a_profiled_plan_that_measured_faster_than_the_best_model_is_kept():
     profile = _profile(50e-6, 125e6)
     best = planner.choose(TENSORS, ORDER, profile, 64 << 10)
@@ -428,9 +446,10 @@ def test_schedules_refuse_what_they_cannot_do():
 
 
 def test_bench_dilation_keeps_the_clusters_ratios_and_sleeps_at_least_real_ms():
-    """bench/overlap.py's sizing: compute = communication in the cluster's time; dilated,
-    a small layer sleeps at least REAL_MS and the link's cost grows by the same k."""
+    """bench/overlap.py's sizing: communication = ``ratio`` x compute in the cluster's time;
+    dilated, a small layer sleeps at least REAL_MS and the link's cost grows by the same k."""
     import argparse
+    import itertools
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
@@ -440,16 +459,16 @@ def test_bench_dilation_keeps_the_clusters_ratios_and_sleeps_at_least_real_ms():
         sys.path.pop(0)
     args = argparse.Namespace(workers=4, servers=1, small=24, width=4096, ms=0.0, sizing="dilate")
     forwards = 3 * (args.small + 2 + 2 * 4)
-    for mode in ("allreduce", "ps"):
-        for link in bench.LINKS:
-            ms, width, k = bench.sizing(mode, link, args)
-            comm = bench.communication(mode, link, bench.model_bytes(args.small, width), args)
-            assert width == args.width and forwards * ms / 1e3 == pytest.approx(comm)
-            assert k >= 1 and ms * k >= bench.REAL_MS * (1 - 1e-9)
-            slow = bench.communication(mode, bench.dilated(link, k),
-                                       bench.model_bytes(args.small, width), args)
-            assert slow == pytest.approx(k * comm, rel=1e-5)
-    fast = bench.LINKS[0]
+    for mode, link, ratio in itertools.product(("allreduce", "ps"), bench.LINKS, (1.0, 0.7)):
+        args.ratio = ratio
+        ms, width, k = bench.sizing(mode, link, args)
+        comm = bench.communication(mode, link, bench.model_bytes(args.small, width), args)
+        assert width == args.width and ratio * forwards * ms / 1e3 == pytest.approx(comm)
+        assert k >= 1 and ms * k >= bench.REAL_MS * (1 - 1e-9)
+        slow = bench.communication(mode, bench.dilated(link, k),
+                                   bench.model_bytes(args.small, width), args)
+        assert slow == pytest.approx(k * comm, rel=1e-5)
+    fast, args.ratio = bench.LINKS[0], 1.0
     args.sizing = "widen"                     # the fourth pass's: 0.25 ms, wide large layers
     assert bench.sizing("allreduce", fast, args) == (bench.MIN_MS, 39887, 1.0)
     args.sizing = "fixed"

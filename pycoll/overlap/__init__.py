@@ -6,7 +6,8 @@ schedule=...)``):
 
 - ``"default"``: everything after backward; the next forward waits for all of it.
 - ``"layerwise"``: each layer's gradients go when backward produces them; a pre-hook on
-  each layer waits for that layer's parameters (PS) or update (allreduce) only.
+  each layer waits for that layer's parameters (PS, answered in arrival order) or update
+  (allreduce) only.
 - ``"ipart"``: iPart (TPDS 2021): partitions of rows, small layers merged and large
   tensors split, sized by a greedy planner from profiled compute and the link's cost
   and issued in an order that lets what the next forward needs first overtake the

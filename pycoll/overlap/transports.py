@@ -105,15 +105,18 @@ class ParameterServer:
     ``<name>[lo:hi]``), declared once: plans only regroup them. Partition k's gradient
     rows are packed (compiled) into one buffer per dtype, from which its push_pull sends
     them, so the gradients may change once it is issued; the answer lands in the
-    parameters' rows in place, and its priority is k (partitions are in forward order:
-    a server with answers waiting sends those the next forward needs first). Two stages:
-    the push, then the pull (each link's two directions, so one partition's pull
-    overlaps the next one's push)."""
+    parameters' rows in place. ``urgent`` (iPart's): its priority is k (partitions are in
+    forward order: a server with answers waiting sends those the next forward needs
+    first); else every pull has one priority and is answered in arrival order, as a
+    plain PS answers layer-by-layer pulls. Two stages: the push, then the pull (each
+    link's two directions, so one partition's pull overlaps the next one's push)."""
     stages = 2
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str],
-                 pieces: Sequence[Piece], push_pull: Callable, pull: Callable):
+                 pieces: Sequence[Piece], push_pull: Callable, pull: Callable,
+                 urgent: bool = True):
         self.params, self.push_pull, self.pull = list(params), push_pull, pull
+        self.urgent = urgent
         self.keys, self.views = {}, {}
         for q in pieces:
             p = self.params[q.tensor].detach()
@@ -141,7 +144,7 @@ class ParameterServer:
                 values.append(buffer[offset:offset + view.numel()].view(view.shape))
                 outs.append(view)
                 offset += view.numel()
-        return self.push_pull(names, values, outs, priority=k)
+        return self.push_pull(names, values, outs, priority=k if self.urgent else 0)
 
     def complete(self, k: int, work) -> None:
         work.wait()

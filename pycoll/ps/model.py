@@ -120,7 +120,8 @@ def _overlap(worker: TorchWorker, schedule: str):
         return _exchange(text.encode(), "pycoll.overlap plan")[0].decode()
 
     def build(pieces):
-        transport = ParameterServer(params, worker.names, pieces, push_pull, pull)
+        transport = ParameterServer(params, worker.names, pieces, push_pull, pull,
+                                    urgent=schedule == "ipart")
         init_params(transport.declared())
         return transport
     return Schedule(worker.model, params, schedule, build, agree, first=runtime.rank() == 0)

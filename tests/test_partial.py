@@ -160,8 +160,13 @@ def test_both_paths_give_every_member_the_same_bits(settings, pycoll_world, dire
             xs, ys = zip(*MPI.COMM_WORLD.allgather((x, y)))
             assert all(ys[r].tobytes() == ys[ranks[0]].tobytes() for r in ranks)
             if y is not None:
+                stack = np.stack([xs[r] for r in ranks])
+                # Integer sums and products wrap in their own dtype, as MPI's do (numpy
+                # would widen int32 to int64: 8 members' product overflows int32).
+                integer = stack.dtype.kind in "iu" and op in ("Sum", "Product")
+                wrap = {"dtype": stack.dtype} if integer else {}
                 want = {"Average": np.mean, "Sum": np.sum, "Max": np.max,
-                        "Product": np.prod}[op](np.stack([xs[r] for r in ranks]), 0)
+                        "Product": np.prod}[op](stack, 0, **wrap)
                 tol = {"float16": 1e-3, "float32": 1e-5}.get(dtype, 1e-12)    # relative to
                 np.testing.assert_allclose(mine.astype(np.float64),           # |x| ~ 10 k
                                            want.astype(np.float64), rtol=tol, atol=tol * 40)

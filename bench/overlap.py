@@ -39,7 +39,7 @@ would measure this machine, not the cluster. So each point runs k times slower t
 cluster, k = ``--real-ms`` / ``ms`` (at least 1): every sleep k times longer, the link's
 latency k times longer and its bandwidth k times lower (``dilated``). Every ratio of the
 cluster (compute to communication, latency to bytes, hence every schedule's speedup and
-step / bound) is kept, a small layer sleeps at least ``REAL_MS`` (2 ms) on this machine,
+step / bound) is kept, a small layer sleeps at least ``--real-ms`` (2 ms) on this machine,
 and the real CPU is small beside the emulated compute: k = 38.3, 4.0, 15.0, 1.51 at the
 four points, whose steps then all take 348 ms of compute and 244 ms of link time (the
 times printed are this machine's, k times the cluster's). The real work is also kept
@@ -102,7 +102,7 @@ def sizing(mode, link, args):
         return communication(mode, link, model_bytes(args.small, width), args)
     balanced = 1e3 * comm(args.width) / (args.ratio * 3 * forwards)
     if args.sizing == "dilate":
-        return balanced, args.width, max(1.0, getattr(args, "real_ms", REAL_MS) / balanced)
+        return balanced, args.width, max(1.0, args.real_ms / balanced)
     compute = 3 * forwards * MIN_MS / 1e3      # at the floor
     if args.sizing == "fixed" or comm(args.width) >= compute:
         return max(MIN_MS, balanced), args.width, 1.0

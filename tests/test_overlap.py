@@ -457,7 +457,8 @@ def test_bench_dilation_keeps_the_clusters_ratios_and_sleeps_at_least_real_ms():
         import overlap as bench
     finally:
         sys.path.pop(0)
-    args = argparse.Namespace(workers=4, servers=1, small=24, width=4096, ms=0.0, sizing="dilate")
+    args = argparse.Namespace(workers=4, servers=1, small=24, width=4096, ms=0.0, sizing="dilate",
+                              real_ms=bench.REAL_MS)
     forwards = 3 * (args.small + 2 + 2 * 4)
     for mode, link, ratio in itertools.product(("allreduce", "ps"), bench.LINKS, (1.0, 0.7)):
         args.ratio = ratio

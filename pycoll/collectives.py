@@ -310,14 +310,16 @@ def _segments(sizes: Sequence[int], begin: int, end: int):
 
 
 # Pieces that are packed and unpacked are at most this long per peer, so that each stays
-# in a core's cache (2 MiB of L2 here) from pack through MPI to unpack: 1,000 x 4 KiB
-# through grouped_allreduce_ at 2 ranks took 1.9x the floor in pieces of 512 KiB against
-# 2.3x in one of 4 MiB (numpy; torch 2.35x against 2.7-3.1x). Each piece is one more MPI
-# call, whose steps grow with the group (a ring's 2(n-1)): at 4 ranks on 2 cores 512 KiB
-# pieces took 2.7x against 1.7x in one, 1.5 MiB ones 1.8x. Destinations back to back
-# (grouped_allreduce's new buffer) need no unpack and gained nothing: they keep
-# PYCOLL_CHUNK_BYTES. The short path cuts the same pieces.
-_CACHED_PIECE = 512 * 1024
+# in a core's cache (2 MiB of L2 on both VMs measured) from pack through MPI to unpack.
+# 1,000 x 4 KiB through grouped_allreduce_, against the concatenated floor, pieces swept
+# in one run (2026-11-27, AMD EPYC VM): 2 ranks, 512 KiB 2.34-2.40x (torch 2.85-2.91x),
+# 1 MiB 1.89-1.90x (2.31-2.37x), 2 MiB 1.76-1.80x (2.25-2.40x): each piece is one more MPI
+# call, and at 2 ranks MPI's allreduce of 4 MiB in 8 calls took 0.55 ms against 0.43 in 2-4.
+# At 4 ranks on 2 cores (a ring's 2(n-1) steps a call) 2 MiB, i.e. one 4 MiB chunk, was as
+# fast or faster (1.47-1.53x against 1.51-1.65x). Destinations back to back
+# (grouped_allreduce's new buffer) need no unpack: they keep PYCOLL_CHUNK_BYTES. The short
+# path cuts the same pieces.
+_CACHED_PIECE = 2 * 1024 * 1024
 
 # A tensor this large costs more to copy into the fusion buffer and back (2 x 256 KiB at
 # 5-8 GB/s: 60-100 us) than to send by itself (10-30 us of call overhead here); with it,

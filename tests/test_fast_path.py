@@ -306,7 +306,7 @@ def test_grouped_allreduce_in_one_compiled_pass(settings, group, short_runs, kin
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
+def test_grouped_allreduce_in_cached_pieces(settings, group, short_runs, kind, inplace):
     """A list longer than collectives._CACHED_PIECE (per peer) is packed, reduced and
     unpacked a piece at a time in place (out of place, in PYCOLL_CHUNK_BYTES pieces of the new
     buffer); the compiled pass (even ranks) and the general path (odd ranks, an async
@@ -314,8 +314,11 @@ def test_grouped_allreduce_in_cached_pieces(group, short_runs, kind, inplace):
     (tensors.POOLED_GROUPED); torch's results are disjoint parts of it: writing one
     leaves the others."""
     arg, rank, size = group
-    shapes = [(3,)] + [(120, 500), (60000,), (4, 15000)] * 4 + [(7, 2), (59999,), (1,), (60000,)]
-    assert sum(4 * np.prod(s) for s in shapes) > 2 * collectives._CACHED_PIECE * max(1, size - 1)
+    piece = collectives._CACHED_PIECE * max(1, size - 1)
+    settings(fusion_threshold=4 * piece, chunk_bytes=4 * piece)   # the piece, not the chunk, cuts
+    repeats = 2 * piece // (3 * 4 * 60000) + 1
+    shapes = [(3,)] + [(120, 500), (60000,), (4, 15000)] * repeats + [(7, 2), (59999,), (1,), (60000,)]
+    assert 2 * piece < sum(4 * np.prod(s) for s in shapes) < 4 * piece
     tensor = torch.from_numpy if kind == "torch" else np.asarray
 
     def inputs(r):

@@ -34,7 +34,7 @@ Implementations, per pass over a case's tensors:
 
 Time per pass: mean over a batch on the slowest rank; batches of about --target-ms (at
 most --iters passes), implementations interleaved batch by batch; tables quote the median
-of --batches batches (bench/harness.py). algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+of --batches batches, and each ratio the median of the per-batch ratios (bench/harness.py). algbw = bytes / time, busbw = algbw x 2(n-1)/n.
 Then one sweep per knob, the others at their defaults: pycoll on each case at each value
 of --thresholds (PYCOLL_FUSION_THRESHOLD), --chunks (PYCOLL_CHUNK_BYTES) and --cycles
 (PYCOLL_CYCLE_TIME_MS), set with pycoll.configure between batches and interleaved with the
@@ -66,7 +66,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import pattern  # noqa: E402
 from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine,  # noqa: E402
-                     machine_line, median, memcpy_gbps, memcpy_line, parse_bytes,
+                     machine_line, median, memcpy_gbps, paired_ratio, memcpy_line, parse_bytes,
                      peak_rss_mib, pycoll, reset_peak_rss, rss_mib, setup_gloo,
                      teardown_gloo, write_json)
 
@@ -316,10 +316,6 @@ def fmt(x, width, prec):
     return f"{'-':>{width}}" if x is None else f"{x:{width}.{prec}f}"
 
 
-def ratio(t, a, b):
-    return t[a] / t[b] if t.get(a) and t.get(b) else None
-
-
 def bench_case(case: Case, impls, args, rows) -> dict:
     n = comm.size
     fns = case.fns(impls)
@@ -329,6 +325,9 @@ def bench_case(case: Case, impls, args, rows) -> dict:
     iters = {i: iters_for_time(fns[i], args.target_ms / 1e3, args.iters) for i in impls}
     times = interleave(fns, iters, 0, args.batches)
     t = {i: median(times[i]) for i in impls}
+
+    def ratio(a, b):
+        return paired_ratio(times, a, b)
     if comm.rank == 0:
         print(f"\n# {case.name}: {case.label} ({case.nbytes / MiB:.1f} MiB), "
               f"fusion threshold {human_bytes(pycoll.config.get('fusion_threshold'))}")
@@ -342,18 +341,18 @@ def bench_case(case: Case, impls, args, rows) -> dict:
                          iters=iters[i], batches_us=[x * 1e6 for x in times[i]]))
         if comm.rank == 0:
             print(f"  {i:>34} {t[i] * 1e3:10.3f} {alg:7.3f} {alg * 2 * (n - 1) / n:7.3f} "
-                  f"{fmt(ratio(t, i, 'pycoll'), 8, 2)} {fmt(ratio(t, i, 'mpi4py-concat'), 7, 2)} "
+                  f"{fmt(ratio(i, 'pycoll'), 8, 2)} {fmt(ratio(i, 'mpi4py-concat'), 7, 2)} "
                   f"{iters[i]:>5}")
-    r = {"pycoll/mpi4py-concat": ratio(t, "pycoll", "mpi4py-concat"),
-         "mpi4py-per-tensor/pycoll": ratio(t, "mpi4py-per-tensor", "pycoll"),
-         "mpi4py-per-tensor/pycoll-grouped": ratio(t, "mpi4py-per-tensor", "pycoll-grouped"),
-         "pycoll-grouped/mpi4py-concat": ratio(t, "pycoll-grouped", "mpi4py-concat"),
-         "pycoll-grouped-new/mpi4py-concat": ratio(t, "pycoll-grouped-new", "mpi4py-concat"),
-         "gloo-per-tensor/pycoll": ratio(t, "gloo-per-tensor", "pycoll"),
-         "gloo-concat/pycoll": ratio(t, "gloo-concat", "pycoll")}
+    r = {"pycoll/mpi4py-concat": ratio("pycoll", "mpi4py-concat"),
+         "mpi4py-per-tensor/pycoll": ratio("mpi4py-per-tensor", "pycoll"),
+         "mpi4py-per-tensor/pycoll-grouped": ratio("mpi4py-per-tensor", "pycoll-grouped"),
+         "pycoll-grouped/mpi4py-concat": ratio("pycoll-grouped", "mpi4py-concat"),
+         "pycoll-grouped-new/mpi4py-concat": ratio("pycoll-grouped-new", "mpi4py-concat"),
+         "gloo-per-tensor/pycoll": ratio("gloo-per-tensor", "pycoll"),
+         "gloo-concat/pycoll": ratio("gloo-concat", "pycoll")}
     forms = [i for i in impls if i.split(":")[0] in FORMS[1:]]
-    worst = max(forms, key=lambda i: ratio(t, i, "mpi4py-concat") or 0, default=None)
-    r["worst grouped form/mpi4py-concat"] = ratio(t, worst, "mpi4py-concat") if worst else None
+    worst = max(forms, key=lambda i: ratio(i, "mpi4py-concat") or 0, default=None)
+    r["worst grouped form/mpi4py-concat"] = ratio(worst, "mpi4py-concat") if worst else None
     if comm.rank == 0:
         target = {"resnet50": "pycoll/mpi4py-concat <= 1.15",
                   "small": "mpi4py-per-tensor/pycoll >= 5 (either pycoll); every grouped "

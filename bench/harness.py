@@ -135,6 +135,15 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def paired_ratio(times: Dict[str, List[float]], a: str, b: str) -> Optional[float]:
+    """``a``'s time over ``b``'s: the median of the per-batch ratios (``interleave``'s
+    batch k of each ran in the same round). This VM's MPI transfers sometimes run 5x
+    slower for seconds to minutes at a time; a ratio of medians taken across such a change
+    compares one mode with the other, a batch with its own round does not."""
+    pairs = [x / y for x, y in zip(times.get(a) or [], times.get(b) or []) if x and y]
+    return statistics.median(pairs) if pairs else None
+
+
 # ---------------------------------------------------------------- the machine
 
 def memcpy_gbps(nbytes: int = 64 * MiB, reps: int = 10) -> float:

@@ -310,13 +310,12 @@ def _segments(sizes: Sequence[int], begin: int, end: int):
 
 
 # Pieces that are packed and unpacked are at most this long per peer, so that each stays
-# in a core's cache (2 MiB of L2 on both VMs measured) from pack through MPI to unpack.
-# 1,000 x 4 KiB through grouped_allreduce_, against the concatenated floor, pieces swept
-# in one run (2026-11-27, AMD EPYC VM): 2 ranks, 512 KiB 2.34-2.40x (torch 2.85-2.91x),
-# 1 MiB 1.89-1.90x (2.31-2.37x), 2 MiB 1.76-1.80x (2.25-2.40x): each piece is one more MPI
-# call, and at 2 ranks MPI's allreduce of 4 MiB in 8 calls took 0.55 ms against 0.43 in 2-4.
-# At 4 ranks on 2 cores (a ring's 2(n-1) steps a call) 2 MiB, i.e. one 4 MiB chunk, was as
-# fast or faster (1.47-1.53x against 1.51-1.65x). Destinations back to back
+# in a core's cache (2 MiB of L2 on every machine measured) from pack through MPI to
+# unpack, and few enough: each is one more MPI call (at 2 ranks, 4 MiB in 8 allreduces
+# took 0.55 ms against 0.43 in 2-4). 1,000 x 4 KiB through grouped_allreduce_ against the
+# concatenated floor, numpy, 512 KiB / 2 MiB pieces (2026-11-27): AMD VM 2.37x / 1.78x at
+# 2 ranks, 1.58x / 1.50x at 4 on 2 cores; 16-core Intel Xeon 2.12x / 2.32x at 2 ranks,
+# 1.79x / 1.67x at 4 (docs/benchmarks.md, Fusion). Destinations back to back
 # (grouped_allreduce's new buffer) need no unpack: they keep PYCOLL_CHUNK_BYTES. The short
 # path cuts the same pieces.
 _CACHED_PIECE = 2 * 1024 * 1024

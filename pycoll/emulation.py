@@ -388,19 +388,22 @@ class _Slots:
 
     def find(self, rank: int, key: int) -> Optional[tuple]:
         """``rank``'s entry of ``key`` (time, latency, 1/bandwidth, bytes); None if absent.
-        The search starts where ``rank``'s previous entry was found: a rank writes its
-        slots in turn, so the one sought is usually a few slots on."""
+        A rank writes its slots in turn, so the one sought is usually the slot after its
+        previous entry found; else the search starts there."""
         first = rank * self.SLOTS * self.ENTRY
-        end, needle = first + self.SLOTS * self.ENTRY, self.KEY.pack(key)
+        end = first + self.SLOTS * self.ENTRY
         hint = self.hints.get(rank, first)
-        for start, stop in ((hint, end), (first, hint)):
-            at = self.map.find(needle, start, stop)
-            while at >= 0 and (at - first) % self.ENTRY:   # the bytes of a value, not a key
-                at = self.map.find(needle, at + 1, stop)
-            if at >= 0:
-                break
-        else:
-            return None
+        at = hint + self.ENTRY if hint + self.ENTRY < end else first
+        if self.KEY.unpack_from(self.map, at)[0] != key:
+            needle = self.KEY.pack(key)
+            for start, stop in ((hint, end), (first, hint)):
+                at = self.map.find(needle, start, stop)
+                while at >= 0 and (at - first) % self.ENTRY:   # the bytes of a value, not a key
+                    at = self.map.find(needle, at + 1, stop)
+                if at >= 0:
+                    break
+            else:
+                return None
         values = self.VALUES.unpack_from(self.map, at + self.KEY.size)
         if self.KEY.unpack_from(self.map, at)[0] != key:   # overwritten as we read
             return None
@@ -427,6 +430,7 @@ class _Group:
         from mpi4py import MPI
         self.comm, self.cid, self.count, self.world = comm, cid, 0, world
         self.me = MPI.COMM_WORLD.Get_rank()
+        self.others = [rank for rank in world if rank != self.me]   # whose entries leave reads
         self.links = self.link = None
 
     def my_link(self) -> tuple:
@@ -499,10 +503,11 @@ def called() -> None:
         _called.at = time.monotonic()
 
 
-def _entries(group: _Group, key: int) -> Optional[list]:
-    """The members' entries of collective ``key``; None while one is not there."""
-    rows = []
-    for rank in group.world:
+def _entries(group: _Group, key: int, mine: tuple) -> Optional[list]:
+    """The members' entries of collective ``key``, this rank's being ``mine``; None while
+    one is not there."""
+    rows = [mine]
+    for rank in group.others:
         row = _slots.find(rank, key)
         if row is None:
             return None
@@ -513,10 +518,11 @@ def _entries(group: _Group, key: int) -> Optional[list]:
 def _end(kind: str, n: int, rows) -> float:
     """When a collective of ``n`` members with entries ``rows`` ends in the model: the
     latest entry plus the cost at the slowest member's link."""
-    slowest = max(row[2] for row in rows)
-    total = sum(row[3] for row in rows) if kind == "allgather" else max(row[3] for row in rows)
-    return max(row[0] for row in rows) + collective_time(
-        kind, n, total, max(row[1] for row in rows), 1.0 / slowest if slowest > 0 else math.inf)
+    times, latencies, inverse_bandwidths, sizes = zip(*rows)
+    slowest = max(inverse_bandwidths)
+    total = sum(sizes) if kind == "allgather" else max(sizes)
+    return max(times) + collective_time(kind, n, total, max(latencies),
+                                        1.0 / slowest if slowest > 0 else math.inf)
 
 
 def leave(entry) -> None:
@@ -524,13 +530,13 @@ def leave(entry) -> None:
     if entry is None:
         return
     kind, group, key, mine = entry
-    rows = _entries(group, key)
+    rows = _entries(group, key, mine)
     if rows is None:                # a broadcast's root can finish before the others come
         # Not before the end this rank's entry alone gives (the others' can only make it
         # later); by then the others are usually there.
         sleep_until(_end(kind, len(group.world), [mine]))
         try:
-            rows = poll(lambda: _entries(group, key), time.monotonic() + config.get("timeout"),
+            rows = poll(lambda: _entries(group, key, mine), time.monotonic() + config.get("timeout"),
                         lambda: "")
         except CollectiveTimeout:       # a member never came: the real call says so
             return

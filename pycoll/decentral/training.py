@@ -21,6 +21,7 @@ such as momentum stays local, as in both papers.
 """
 import contextlib
 import random
+import sys
 import threading
 import time
 
@@ -220,6 +221,9 @@ class ADPSGD:
                 self.counts["queued"] += bool(self.comm.Iprobe(MPI.ANY_SOURCE, _LOCK))
         except BaseException as error:      # raised by close(), on the thread that called it
             self.failure = error
+            # Said at once too: until close(), the actives only see a passive gone silent.
+            print(f"pycoll: AD-PSGD passive rank {self.rank} stopped serving: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
     def counters(self) -> dict:
         """Averagings and the waits they cost this worker (``counts`` in ``__init__``)."""

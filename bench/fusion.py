@@ -34,7 +34,8 @@ Implementations, per pass over a case's tensors:
 
 Time per pass: mean over a batch on the slowest rank; batches of about --target-ms (at
 most --iters passes), implementations interleaved batch by batch; tables quote the median
-of --batches batches, and each ratio the median of the per-batch ratios (bench/harness.py). algbw = bytes / time, busbw = algbw x 2(n-1)/n.
+of --batches batches, and each ratio the median of the per-batch ratios (bench/harness.py).
+algbw = bytes / time, busbw = algbw x 2(n-1)/n.
 Then one sweep per knob, the others at their defaults: pycoll on each case at each value
 of --thresholds (PYCOLL_FUSION_THRESHOLD), --chunks (PYCOLL_CHUNK_BYTES) and --cycles
 (PYCOLL_CYCLE_TIME_MS), set with pycoll.configure between batches and interleaved with the
@@ -66,7 +67,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import pattern  # noqa: E402
 from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine,  # noqa: E402
-                     machine_line, median, memcpy_gbps, paired_ratio, memcpy_line, parse_bytes,
+                     machine_line, median, memcpy_gbps, memcpy_line, paired_ratio, parse_bytes,
                      peak_rss_mib, pycoll, reset_peak_rss, rss_mib, setup_gloo,
                      teardown_gloo, write_json)
 
@@ -395,7 +396,9 @@ def sweep(cases, knob: str, values, args, rows) -> dict:
         times = interleave(fns, iters, 0, args.batches, setup)
         t = {k: median(v) for k, v in times.items()}
         best = min(names, key=lambda k: t[k])
-        results[case.name] = {v: t[name] / t[best] for name, v in zip(names, values)}
+        floor = {name: paired_ratio(times, name, "mpi4py-concat") for name in names}
+        vs_best = {name: paired_ratio(times, name, best) for name in names}
+        results[case.name] = {v: vs_best[name] for name, v in zip(names, values)}
         if comm.rank == 0:
             print(f"\n# sweep {knob} {case.name}: {case.label}; floor (mpi4py-concat) "
                   f"{t['mpi4py-concat'] * 1e3:.3f} ms")
@@ -409,7 +412,7 @@ def sweep(cases, knob: str, values, args, rows) -> dict:
                              batches_us=[x * 1e6 for x in times[name]]))
             if comm.rank == 0:
                 print(f"  {label(v):>18} {t[name] * 1e3:10.3f} "
-                      f"{t[name] / t['mpi4py-concat']:7.3f} {t[name] / t[best]:6.3f} "
+                      f"{fmt(floor[name], 7, 3)} {fmt(vs_best[name], 6, 3)} "
                       f"{batches[name] if batches[name] else '-':>7} {iters[name]:>5}"
                       + ("  <- best" if name == best else ""), flush=True)
     set_knob(knob, default)

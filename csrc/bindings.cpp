@@ -1,5 +1,6 @@
-// pycoll._C: with short_path.cpp, the only files that see Python objects. Pointers arrive as
-// Python ints; names are parsed here (ValueError on unknown ones); every kernel runs without the GIL.
+// pycoll._C: with short_path.cpp, partial_now.cpp and pacing.cpp, the only files that see Python
+// objects. Pointers arrive as Python ints; names are parsed here (ValueError on unknown ones); every kernel
+// runs without the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -12,6 +13,7 @@
 
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "pacing.h"
 #include "partition.h"
 #include "partial.h"
 #include "partial_now.h"
@@ -269,8 +271,8 @@ PYBIND11_MODULE(_C, m) {
          "me, size, tag_ub, clone, failed): pycoll.partial's per-world state and callbacks; "
          "partial_bind(None) at shutdown."},
         {"partial_settings", partial_now::configure, METH_VARARGS,
-         "partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout, enter=None, "
-         "leave=None): whenever the settings change; enter/leave pace each round under --link."},
+         "partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout, group_of=None): "
+         "whenever the settings change; under --link group_of(members) -> the PaceGroup that paces each round."},
         {"short_path_runs", short_path::count, METH_NOARGS,
          "How many collectives the *_now functions have run in this process."},
         {"mpi_calls", short_path::mpi_calls, METH_NOARGS,
@@ -281,15 +283,43 @@ PYBIND11_MODULE(_C, m) {
          "views, staging, alone_bytes, cached_piece, mpi_error, in_place, byte, int64): what the *_now functions call and use "
          "(collectives.py passes them once)."},
         {"short_path_settings", short_path::configure, METH_VARARGS,
-         "short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): whether the *_now "
+         "short_path_settings(enabled, max_bytes, fusion_threshold, group_of=None): whether the *_now "
          "functions run, the largest tensor allreduce_now takes (and grouped_allreduce_now's piece), the largest list "
-         "grouped_allreduce_now takes; under --link, enter(kind, group, nbytes) -> entry before each one's MPI calls "
-         "and leave(entry) after them."},
+         "grouped_allreduce_now takes; under --link, group_of(group) -> the PaceGroup (or None) that paces each "
+         "one."},
+        {"pace_leave", pacing::py_leave, METH_O,
+         "pace_leave(entry): after a paced collective's real transfer, sleep (without the GIL) until its modelled end, "
+         "the same on every member."},
+        {"pace_bind", pacing::bind, METH_VARARGS,
+         "pace_bind(slots, ranks, rank): the shared-memory slots (a writable buffer of 256 * 40 bytes a rank) where the "
+         "ranks of MPI.COMM_WORLD write their entries; pace_bind(None): none."},
+        {"pace_settings", pacing::settings, METH_VARARGS,
+         "pace_settings(latency, inverse_bandwidth, timeout): this rank's link (seconds, seconds per byte) and how "
+         "long leaving waits for a member's entry."},
+        {"collective_time", pacing::collective_time, METH_VARARGS,
+         "collective_time(kind, n, nbytes, latency, bandwidth) -> seconds: the alpha-beta model (pycoll.emulation)."},
+        {"sleep_until", pacing::sleep_until, METH_O,
+         "sleep_until(deadline): return at deadline (time.monotonic()), asleep until its last 120 us, then yielding; "
+         "without the GIL. Counts the wait for a core after it while count_core_waits is on."},
+        {"run_delay", pacing::run_delay, METH_NOARGS,
+         "run_delay() -> seconds this thread has been runnable without a core (Linux's schedstat; 0 without)."},
+        {"count_core_waits", pacing::count_core_waits, METH_O, "count_core_waits(on): count waits for a core after "
+         "modelled deadlines from now on (or not)."},
+        {"counting_core_waits", pacing::counting_core_waits, METH_NOARGS, "Whether core waits are counted."},
+        {"core_wait_woke", pacing::core_wait_woke, METH_VARARGS,
+         "core_wait_woke(deadline, before, awake=-1, at=-1, delay=-1) -> (run delay, time): this thread, whose run "
+         "delay was before when it went to sleep (or when it was on a core at awake), is back on a core (at time at "
+         "with run delay delay; now and its run delay if not given): count its wait after deadline."},
+        {"core_wait_after", pacing::core_wait_after, METH_VARARGS,
+         "core_wait_after(since, at=-1, delay=-1) -> seconds the threads waited for a core after the latest deadline "
+         "since since, up to at (now if not given; this thread's run delay then: delay); forgets it."},
+        {"precise_timers", pacing::precise_timers, METH_NOARGS,
+         "A 1 ns timer slack for this thread (Linux's default 50 us makes every sleep that much late)."},
         {"short_path_bind", short_path::bind, METH_VARARGS,
          "short_path_bind(gate, world_handle, world_size, world_group): the engine's Gate and the world (pycoll.init); "
          "short_path_bind(None): none (pycoll.shutdown)."},
     };
-    if (!short_path::init(m.ptr()) || PyType_Ready(&block_type) < 0) throw py::error_already_set();
+    if (!short_path::init(m.ptr()) || !pacing::init(m.ptr()) || PyType_Ready(&block_type) < 0) throw py::error_already_set();
     for (auto& def : fast) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
     m.def(
         "mpi_bind", [](const std::string& module_path, size_t handle_size) { return mpi::bind(module_path.c_str(), handle_size); },

@@ -16,9 +16,9 @@
 // in that order on both, so every member gets the same bits.
 //
 // Waiting: MPI_Testany in a loop that never sleeps while messages flow. It spins for
-// SPIN_S after the last progress (a peer on another core answers within it: yielding at
+// 50 us after the last progress (a peer on another core answers within it: yielding at
 // once costs tens of us on a machine shared with other jobs), then yields the core between
-// tries; only a wait that has made no progress for STALL_S (a late peer, a straggler)
+// tries; only a wait that has made no progress for 50 ms (a late peer, a straggler)
 // backs off to short sleeps, so ranks that outnumber cores are not starved. Where ranks
 // share cores MPI's own progress already yields while it has nothing to do (Open MPI's
 // mpi_yield_when_idle, on when oversubscribed, as in its blocking waits): yielding here
@@ -40,20 +40,14 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "clock.h"
 #include "kernels.h"
 #include "mpi_calls.h"
 
 namespace pycoll::partial {
 namespace {
 
-constexpr double SPIN_S = 50e-6, STALL_S = 50e-3;
 constexpr size_t NONE = SIZE_MAX;
-
-double now() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
 
 // A failure that ends the round: Late (peer) or Failed (MPI's code).
 struct Stop {
@@ -64,29 +58,6 @@ struct Stop {
 void check(int code) {
     if (code) throw Stop{Outcome::Failed, -1, code};
 }
-
-// Waiting on peers: spins, then yields the core, then sleeps growing to 1 ms (see the
-// top); Late past the round's deadline.
-class Patience {
-  public:
-    explicit Patience(double timeout) : deadline_(now() + timeout), last_(now()) {}
-    void progressed() { last_ = now(), delay_ = 0; }
-    void idle(int peer) {
-        const double t = now();
-        if (t > deadline_) throw Stop{Outcome::Late, peer, 0};
-        if (t - last_ < SPIN_S) return;
-        if (t - last_ < STALL_S) {
-            sched_yield();
-            return;
-        }
-        delay_ = std::min(std::max(2 * delay_, 1e-5), 1e-3);
-        const timespec ts{0, static_cast<long>(delay_ * 1e9)};
-        nanosleep(&ts, nullptr);
-    }
-
-  private:
-    double deadline_, last_, delay_ = 0;
-};
 
 // Where received data lands before it is reduced, kept from round to round: a fresh,
 // zero-filled allocation of a large block each round cost a page fault per 4 KiB and a
@@ -158,7 +129,7 @@ class Exchange {
                 patience_.progressed();
                 return static_cast<size_t>(index);
             }
-            patience_.idle(peer(j));
+            idle(peer(j));
         }
     }
 
@@ -168,8 +139,13 @@ class Exchange {
             int flag;
             check(mpi::test(reqs.at(i), &flag));
             if (flag) return patience_.progressed();
-            patience_.idle(peer(j));
+            idle(peer(j));
         }
+    }
+
+    // One wait between tries on member j; Late past the round's deadline.
+    void idle(int peer) {
+        if (!patience_.idle()) throw Stop{Outcome::Late, peer, 0};
     }
 
     void finish(size_t j) {
@@ -291,7 +267,7 @@ class Exchange {
 
     const Round& r_;
     const size_t item_;
-    Patience patience_;
+    clock::Patience patience_;  // spins 50 us, yields to 50 ms (the top)
     Scratch scratch_;  // declared before the requests: released after they are cancelled
     mpi::Requests sends_, recvs_;
 };

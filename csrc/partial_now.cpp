@@ -1,7 +1,7 @@
 // partial_allreduce's blocking call in one compiled entry. A call on a contiguous host
 // tensor, with the engine idle and checks and the timeline off, goes from here straight
 // into the exchange (partial.cpp) or the group's cached communicator, without the GIL
-// (under --link between the emulation's enter and leave, as the short path's collectives);
+// (under --link paced as the short path's collectives are);
 // in Python the same call cost about 5 us of planning, several times a small exchange.
 // Anything else returns None before a count changes, and the general path in
 // pycoll/partial.py runs it (and says what is wrong with bad arguments).
@@ -41,7 +41,7 @@ struct Settings {
     size_t direct_bytes = 0, doubling_from = 4, chunk_bytes = 1;
     double timeout = 0;
 } settings;
-short_path::Link link;  // the emulation's hooks under --link (partial_settings)
+short_path::Link link;  // the emulation's hook under --link (partial_settings)
 
 PyObject *s_handle, *s_name, *s_direct, *s_allreduce;
 
@@ -128,18 +128,13 @@ PyObject* bind(PyObject*, PyObject* args) {
 PyObject* configure(PyObject*, PyObject* args) {
     int enabled;
     Settings n;
-    PyObject *enter = Py_None, *leave = Py_None;
-    if (!PyArg_ParseTuple(args, "plnnnd|OO:partial_settings", &enabled, &n.cache_after, &n.direct_bytes,
-                          &n.doubling_from, &n.chunk_bytes, &n.timeout, &enter, &leave))
+    PyObject* group_of = Py_None;
+    if (!PyArg_ParseTuple(args, "plnnnd|O:partial_settings", &enabled, &n.cache_after, &n.direct_bytes,
+                          &n.doubling_from, &n.chunk_bytes, &n.timeout, &group_of))
         return nullptr;
-    if ((enter == Py_None) != (leave == Py_None)) {
-        PyErr_SetString(PyExc_TypeError, "partial_settings: pass both enter and leave, or neither");
-        return nullptr;
-    }
     n.enabled = enabled != 0;
     settings = n;
-    Py_XSETREF(link.enter, enter == Py_None ? nullptr : Py_NewRef(enter));
-    Py_XSETREF(link.leave, leave == Py_None ? nullptr : Py_NewRef(leave));
+    Py_XSETREF(link.group_of, group_of == Py_None ? nullptr : Py_NewRef(group_of));
     Py_RETURN_NONE;
 }
 

@@ -17,8 +17,8 @@ namespace pycoll::partial_now {
 // partial_bind(None): none (pycoll.shutdown).
 PyObject* bind(PyObject*, PyObject* args);
 // partial_settings(enabled, cache_after, direct_bytes, doubling_from, chunk_bytes, timeout,
-// enter=None, leave=None): given again whenever the settings change; enter(kind, members,
-// nbytes) / leave(entry) pace each round under --link (short_path::Paced).
+// group_of=None): given again whenever the settings change; group_of(members) paces each
+// round under --link (short_path::Paced).
 PyObject* configure(PyObject*, PyObject* args);
 // partial_now(x, inplace, ranks, op, name): the result (x itself in place), or None where
 // the general path must run it.

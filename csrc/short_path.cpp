@@ -25,8 +25,10 @@
 #include <stdexcept>
 #include <vector>
 
+#include "clock.h"
 #include "kernels.h"
 #include "mpi_calls.h"
+#include "pacing.h"
 #include "py_ref.h"
 
 namespace pycoll::short_path {
@@ -678,26 +680,19 @@ int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*
     return 0;
 }
 
-Paced::Paced(const Link& hooks) : enter_(Py_XNewRef(hooks.enter)), leave_(Py_XNewRef(hooks.leave)) {
-    if (!enter_) return;  // no link: nothing more
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);  // time.monotonic()'s, to the nanosecond
-    issued_ = static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+Paced::Paced(const Link& hooks) : group_of_(Py_XNewRef(hooks.group_of)) {
+    if (group_of_) issued_ = clock::now();  // no link: nothing more
 }
 
 bool Paced::begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
-    if (!enter_) return true;
-    Ref size(PyLong_FromSsize_t(nbytes)), issued(size ? PyFloat_FromDouble(issued_) : nullptr);
-    PyObject* args[] = {kind, group, size.get(), issued.get()};
-    entry_.reset(issued ? PyObject_Vectorcall(enter_.get(), args, 4, nullptr) : nullptr);
+    if (!group_of_) return true;
+    Ref paced(PyObject_CallOneArg(group_of_.get(), group));
+    if (!paced || paced.get() == Py_None) return static_cast<bool>(paced);
+    entry_.reset(pacing::enter(paced.get(), kind, nbytes, issued_));
     return static_cast<bool>(entry_);
 }
 
-bool Paced::end() {
-    if (!entry_) return true;
-    Ref left(PyObject_CallOneArg(leave_.get(), entry_.get()));
-    return static_cast<bool>(left);
-}
+bool Paced::end() { return !entry_ || pacing::leave(entry_.get()); }
 
 Token::Token(PyObject* name, PyObject* kind) : gate_(reinterpret_cast<PyObject*>(world.gate)) {
     Py_XINCREF(gate_);
@@ -754,16 +749,11 @@ PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs) {
 PyObject* configure(PyObject*, PyObject* args) {
     int enabled;
     Py_ssize_t max_bytes, fusion_threshold;
-    PyObject *enter = Py_None, *leave = Py_None;
-    if (!PyArg_ParseTuple(args, "pnn|OO:short_path_settings", &enabled, &max_bytes, &fusion_threshold, &enter, &leave))
+    PyObject* group_of = Py_None;
+    if (!PyArg_ParseTuple(args, "pnn|O:short_path_settings", &enabled, &max_bytes, &fusion_threshold, &group_of))
         return nullptr;
-    if ((enter == Py_None) != (leave == Py_None)) {
-        PyErr_SetString(PyExc_TypeError, "short_path_settings: pass both enter and leave, or neither");
-        return nullptr;
-    }
     settings = {enabled != 0, max_bytes, fusion_threshold};
-    Py_XSETREF(link.enter, enter == Py_None ? nullptr : Py_NewRef(enter));
-    Py_XSETREF(link.leave, leave == Py_None ? nullptr : Py_NewRef(leave));
+    Py_XSETREF(link.group_of, group_of == Py_None ? nullptr : Py_NewRef(group_of));
     Py_RETURN_NONE;
 }
 

@@ -18,8 +18,8 @@ bool init(PyObject* module);  // at import: adds Gate; false with a Python error
 // failed, views, staging, alone_bytes, mpi_error, in_place, byte, int64): the functions
 // and handles the short path uses, given once.
 PyObject* setup(PyObject*, PyObject* args, PyObject* kwargs);
-// short_path_settings(enabled, max_bytes, fusion_threshold, enter=None, leave=None): given again whenever the
-// settings change; enter/leave pace each collective under --link (pycoll.emulation).
+// short_path_settings(enabled, max_bytes, fusion_threshold, group_of=None): given again whenever the
+// settings change; group_of paces each collective under --link (Link).
 PyObject* configure(PyObject*, PyObject* args);
 // short_path_bind(gate, world_handle, world_size, world_group) at init (the world Group: its
 // `carry`); short_path_bind(None) at shutdown.
@@ -81,13 +81,11 @@ struct Host {
 // -1 with a Python error.
 int read_routed(PyObject* x, bool writable, PyObject* op, Host& in, const Route*& route);
 
-// Under --link (pycoll.emulation): enter(kind, group, nbytes, issued) -> entry before a
-// collective's MPI calls (issued: when it was called, time.monotonic()'s clock), leave(entry)
-// after them (it sleeps until the modelled end); both null without a link. This path's are
-// given by short_path_settings, partial_now's by partial_settings.
+// Under --link (pycoll.emulation): group_of(group) -> the group's PaceGroup (pacing.h), or
+// None for a group of one; null without a link. This path's is given by short_path_settings,
+// partial_now's by partial_settings.
 struct Link {
-    PyObject* enter = nullptr;
-    PyObject* leave = nullptr;
+    PyObject* group_of = nullptr;
 };
 
 // One collective paced under `hooks`' link, nothing without: made where the collective is
@@ -97,13 +95,13 @@ struct Link {
 // real transfer is, not added to it.
 class Paced {
    public:
-    // The hooks are held from here: the settings may change meanwhile.
+    // The hook is held from here: the settings may change meanwhile.
     explicit Paced(const Link& hooks);
     bool begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes);
     bool end();
 
    private:
-    Ref enter_, leave_, entry_;
+    Ref group_of_, entry_;
     double issued_ = 0.0;
 };
 

@@ -725,17 +725,16 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
                     int64=MPI._handleof(MPI.INT64_T))
 # Mismatch checks (ranks compare what they submit) and the timeline and report happen on
-# the general path only. Under --link the short path runs between the emulation's enter
-# and leave, as the general path's collectives do.
-def _short_path_enter(kind: str, group, nbytes: int, issued: float):
-    return emulation.enter(kind, runtime.resolve(group).comm, nbytes, issued)
+# the general path only. Under --link the short path is paced as the general path's
+# collectives are, by the group's emulation.group.
+def _short_path_pace(group):
+    return emulation.group(runtime.resolve(group).comm)
 
 
 config.watch(lambda: _C.short_path_settings(not config.get("check") and not timeline.configured(),
                                             config.get("chunk_bytes"),
                                             config.get("fusion_threshold"),
-                                            *((_short_path_enter, emulation.leave)
-                                              if config.get("link") else ())))
+                                            *((_short_path_pace,) if config.get("link") else ())))
 
 
 # ---------------------------------------------------------------- public API

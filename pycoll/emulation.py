@@ -14,10 +14,10 @@ passed, so overlap of communication with compute shows as it would on a network.
   every member computes the same start (the latest entry) and cost and they leave
   together. A member's entry is when it called the collective (the general path stamps
   it with ``called``/``timed``, the compiled paths' ``Paced`` in C), so pycoll's own
-  work before the MPI calls runs under the modelled time as the real transfer does. The
-  C short path runs under a link too, calling ``enter`` and ``leave`` around its MPI
-  calls (collectives.py hands them over), so a small collective costs its model plus a
-  wake-up, not the general path's Python.
+  work before the MPI calls runs under the modelled time as the real transfer does.
+  Entering and leaving are compiled (csrc/pacing.cpp), and the C short path paces its
+  collectives without Python but for ``group``'s lookup, so a small collective costs its
+  model plus a wake-up.
 - Point-to-point messages (partial all-reduce's ring, the parameter server, torch
   send/recv, AD-PSGD) cost ``alpha + bytes/beta``, and each rank's NIC is a FIFO resource
   for egress and one for ingress. A sender puts a message on its egress when it posts
@@ -40,7 +40,6 @@ that a cluster, a core per rank, would not (``bench/emulation.py``'s cluster col
 """
 import atexit
 import collections
-import ctypes
 import errno
 import functools
 import hashlib
@@ -60,8 +59,8 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from . import config, timeline
-from .work import CollectiveTimeout, lazy, poll
+from . import _C, config, timeline
+from .work import lazy
 
 log = logging.getLogger("pycoll")
 
@@ -177,72 +176,16 @@ def collective_time(kind: str, n: int, nbytes: float, latency: float, bandwidth:
     ring allreduce 2(n-1)(alpha + B/(n beta)); allgather, reduce-scatter and pairwise
     alltoall (n-1)(alpha + B/(n beta)); binomial-tree broadcast ceil(log2 n)(alpha + B/beta);
     barrier ceil(log2 n) alpha; direct exchange (every member sends its B bytes to every
-    other at once: the partial all-reduce of small tensors) alpha + (n-1)B/beta."""
-    if n <= 1:
-        return 0.0
-    rounds = math.ceil(math.log2(n))
-    if kind == "allreduce":
-        return 2 * (n - 1) * (latency + nbytes / (n * bandwidth))
-    if kind in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) * (latency + nbytes / (n * bandwidth))
-    if kind == "broadcast":
-        return rounds * (latency + nbytes / bandwidth)
-    if kind == "barrier":
-        return rounds * latency
-    if kind == "direct":
-        return latency + (n - 1) * nbytes / bandwidth
-    raise ValueError(f"no cost model for collective {kind!r}")
+    other at once: the partial all-reduce of small tensors) alpha + (n-1)B/beta. Computed
+    in C (csrc/pacing.cpp), where the paced collectives use it."""
+    return _C.collective_time(kind, n, nbytes, latency, bandwidth)
 
 
 # ---------------------------------------------------------------- waiting
 
-# A 300 us time.sleep wakes 80 us late with Linux's default 50 us timer slack, 25 us with
-# 1 ns (medians, 2-core VM at load 24). The last SPIN_S before a deadline is spent
-# spinning on sched_yield (0.25 us a call, GIL released): one thread, quiet, 300 us
-# waits, 0.3 us late (p90 0.7). The spin used to call time.sleep(0), which on Python 3.11
-# is a real nanosleep (40 us here): 14 us late (p90 20). A 30 us spin still let the sleep
-# before it wake late from an idle core: small collectives under a 10 GbE link measured
-# 1.14-1.33x their model at 2 ranks (quiet VM) against 1.05-1.18x with 120 us, and 4
-# ranks on 2 cores 15-30 us less per collective (bench/emulation.py, 4 and 64 KiB, same
-# run). With time.sleep(0) as its "spin", a 100 us one had made the worst wake-ups worse
-# under other jobs' load (p99 7 ms against 3.5 ms at load 24); a yielding one can too.
-SPIN_S = 120e-6
-_PR_SET_TIMERSLACK = 29
-_slack = threading.local()
-
-
-def _precise_timers() -> None:
-    """Ask Linux for wake-ups on time (a 1 ns timer slack, not 50 us) in this thread."""
-    if getattr(_slack, "set", False):
-        return
-    _slack.set = True
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def sleep_until(deadline: float) -> None:
-    """Return at ``deadline`` (time.monotonic()), sleeping until the last SPIN_S."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return
-    _precise_timers()
-    counting = _core_waits.on
-    if counting:
-        before = _run_delay()
-    if left > SPIN_S:
-        time.sleep(left - SPIN_S)
-    if counting:
-        before, awake = _core_waits.woke(deadline, before)
-    now = time.monotonic()
-    while now < deadline:
-        if counting:            # the latest instant on a core before the deadline: the
-            before, awake = _run_delay(), now   # wait for a core since then came after it
-        os.sched_yield()                 # yields the GIL, and the core to whoever waits
-        now = time.monotonic()
-    if counting:
-        _core_waits.woke(deadline, before, awake)
+# Sleeping to a deadline, and counting the waits for a core after it, are compiled
+# (csrc/clock.cpp): the collectives' pacing runs them without Python, and so does this.
+sleep_until = _C.sleep_until
 
 
 _released = threading.Event()      # set by the emulation thread when it releases requests
@@ -255,160 +198,49 @@ def nap(seconds: float) -> None:
     paced transfer ran that much over). One napper takes each wake-up; a second one in
     the process sleeps its full nap, as without a link. Either way with the 1 ns timer
     slack (the default 50 us made every nap that much longer)."""
-    _precise_timers()
+    _C.precise_timers()
     if not config.get("link"):
         time.sleep(seconds)
         return
-    before = _run_delay() if _core_waits.on else None
+    before = _C.run_delay() if _C.counting_core_waits() else None
     if _released.wait(seconds):
         _released.clear()
         if before is not None:      # woken by a release: its wait for a core came after
-            _core_waits.woke(_core_waits.released, before)
+            _C.core_wait_woke(_released_due[0], before)
 
 
 # ---------------------------------------------------------------- core waits
 
-class _CoreWaits:
-    """How long this process's threads waited for a core after a modelled deadline: the
-    time this machine's oversubscription adds and a cluster, a core per rank, would not
-    (``bench/emulation.py``'s cluster column). Off unless ``count_core_waits`` was called.
-
-    Linux counts, per thread, the time it was runnable without a core (schedstat's
-    run_delay). A thread that sleeps to a deadline is not runnable while asleep; the
-    run delay it gains from just before the sleep until it is back on a core is its wait
-    for one, all of it at its wake-up, so the part after the deadline is
-    min(that, back - deadline). Waits before the deadline are never counted: the sleep
-    absorbs them; of the waits while ``sleep_until`` spins its last SPIN_S, those that
-    could have come before the deadline are left out. The emulation thread's sleep to a
-    due release and a poller's nap ended by that release (``nap``) are counted toward
-    the same deadline, in turn."""
-
-    def __init__(self):
-        self.on = False
-        self.lock = threading.Lock()
-        self.deadline, self.wait = -math.inf, 0.0     # the latest deadline, its waits
-        self.released = -math.inf       # the latest due the emulation thread released
-        self.local = threading.local()
-
-    def woke(self, deadline: float, before: float, awake: Optional[float] = None) -> tuple:
-        """Count the wait after ``deadline`` of this thread, whose run delay was ``before``
-        when it went to sleep (or, given ``awake``, when it was on a core at ``awake``);
-        (run delay, time) now, where a next span starts."""
-        now, delay = time.monotonic(), _run_delay()
-        gained = max(0.0, delay - before)
-        if awake is None:           # asleep, then one wait for a core that ended now
-            wait = min(gained, now - deadline)
-        else:                       # as much as deadline - awake of it may come before
-            wait = min(gained - max(0.0, deadline - awake), now - max(deadline, awake))
-        if wait > 0:
-            with self.lock:
-                if deadline > self.deadline:
-                    self.deadline, self.wait = deadline, 0.0
-                if deadline == self.deadline:
-                    self.wait += wait
-        if now >= deadline:
-            self.local.last = (deadline, delay)     # waits from here on come after it
-        return delay, now
-
-    def after(self, since: float) -> float:
-        """The core wait after the latest deadline since ``since``, up to now (at most
-        the time since that deadline), this thread's since it left its sleep to that
-        deadline included; forgets it."""
-        now, last = time.monotonic(), getattr(self.local, "last", None)
-        with self.lock:
-            deadline, wait = self.deadline, self.wait
-            self.deadline, self.wait = -math.inf, 0.0
-        if deadline < since:
-            return 0.0
-        if last is not None and last[0] == deadline:
-            wait += max(0.0, _run_delay() - last[1])
-        return min(wait, max(0.0, now - deadline))
-
-
-_core_waits = _CoreWaits()
-
-
-def _run_delay() -> float:
-    """Seconds this thread has spent runnable without a core (Linux's schedstat; 0 where
-    there is none). The file stays open for the thread's life: a pread is 0.6 us."""
-    local = _core_waits.local
-    fd = getattr(local, "fd", None)
-    if fd is None:
-        try:
-            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            fd = -1
-        local.fd = fd
-    return int(os.pread(fd, 64, 0).split()[1]) * 1e-9 if fd >= 0 else 0.0
+_released_due = [-math.inf]     # the latest due the emulation thread released
 
 
 def count_core_waits() -> None:
     """From now on, count this process's waits for a core after modelled deadlines
-    (``core_wait_after``); a benchmark's switch, it costs a few microseconds a wait."""
-    _core_waits.on = True
+    (``core_wait_after``): the time this machine's oversubscription adds that a cluster,
+    a core per rank, would not (``bench/emulation.py``'s cluster column). A benchmark's
+    switch; it costs a few microseconds a wait.
+
+    Linux counts, per thread, the time it was runnable without a core (schedstat's run
+    delay). A thread asleep to a deadline is not runnable; the run delay it gains from
+    just before its sleep until it is back on a core is its wait for one, so the part
+    after the deadline is min(that, back - deadline) (csrc/clock.cpp). ``sleep_until``,
+    the emulation thread's sleep to a due release and a poller's nap ended by that
+    release (``nap``) count toward their deadlines."""
+    _C.count_core_waits(True)
 
 
 def core_wait_after(since: float) -> float:
     """Seconds this process's threads waited for a core after the latest modelled
     deadline since ``since`` (time.monotonic()), up to now; 0 without one."""
-    return _core_waits.after(since)
+    return _C.core_wait_after(since)
 
 
 # ---------------------------------------------------------------- collectives
 
-class _Slots:
-    """Each world rank's entries into its latest collectives, in a file in shared memory
-    that every rank maps: SLOTS per rank, each (key, entry time, latency, 1/bandwidth,
-    bytes), written in turn. A rank writes only its own, the key last; the others find an
-    entry by its key (not by a slot of its group's: a rank that has left one group's
-    collective may enter another's before a slow member of the first has read it). Plain
-    struct and mmap.find, no numpy: finding four members' entries takes 3 us of CPU this
-    way, 11 us by numpy indexing, out of a 4 KiB allreduce's modelled 0.3 ms."""
-
-    SLOTS = 256
-    KEY, VALUES = struct.Struct("<q"), struct.Struct("<dddd")
-    ENTRY = KEY.size + VALUES.size
-
-    def __init__(self, path: str, size: int):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            nbytes = size * self.SLOTS * self.ENTRY
-            if os.fstat(fd).st_size < nbytes:
-                os.ftruncate(fd, nbytes)          # zeros; every rank asks for the same size
-            self.map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        self.hints: Dict[int, int] = {}       # rank -> where its latest entry found was
-
-    def write(self, rank: int, slot: int, key: int, values: tuple) -> None:
-        at = (rank * self.SLOTS + slot) * self.ENTRY
-        self.KEY.pack_into(self.map, at, 0)                 # no reader takes it half-written
-        self.VALUES.pack_into(self.map, at + self.KEY.size, *values)
-        self.KEY.pack_into(self.map, at, key)               # last: the entry is complete
-
-    def find(self, rank: int, key: int) -> Optional[tuple]:
-        """``rank``'s entry of ``key`` (time, latency, 1/bandwidth, bytes); None if absent.
-        A rank writes its slots in turn, so the one sought is usually the slot after its
-        previous entry found; else the search starts there."""
-        first = rank * self.SLOTS * self.ENTRY
-        end = first + self.SLOTS * self.ENTRY
-        hint = self.hints.get(rank, first)
-        at = hint + self.ENTRY if hint + self.ENTRY < end else first
-        if self.KEY.unpack_from(self.map, at)[0] != key:
-            needle = self.KEY.pack(key)
-            for start, stop in ((hint, end), (first, hint)):
-                at = self.map.find(needle, start, stop)
-                while at >= 0 and (at - first) % self.ENTRY:   # the bytes of a value, not a key
-                    at = self.map.find(needle, at + 1, stop)
-                if at >= 0:
-                    break
-            else:
-                return None
-        values = self.VALUES.unpack_from(self.map, at + self.KEY.size)
-        if self.KEY.unpack_from(self.map, at)[0] != key:   # overwritten as we read
-            return None
-        self.hints[rank] = at
-        return values
+# Each rank's entries into its latest collectives lie in a file in shared memory that every
+# rank maps; entering and leaving are compiled (csrc/pacing.cpp: the file's layout, the
+# model, the sleep), so a small collective under a link costs its model plus a wake-up.
+_SLOTS_PER_RANK, _SLOT_BYTES = 256, 40
 
 
 def _world_ranks(comm, ranks) -> list:
@@ -422,53 +254,54 @@ def _world_ranks(comm, ranks) -> list:
         world.Free()
 
 
-class _Group:
-    """What a group's emulated collectives need: its members' world ranks, an id every
-    member agrees on, and how many collectives it has run."""
-
-    def __init__(self, comm, cid: int, world: list):
-        from mpi4py import MPI
-        self.comm, self.cid, self.count, self.world = comm, cid, 0, world
-        self.me = MPI.COMM_WORLD.Get_rank()
-        self.others = [rank for rank in world if rank != self.me]   # whose entries leave reads
-        self.links = self.link = None
-
-    def my_link(self) -> tuple:
-        """(latency, 1/bandwidth) of this rank, parsed again only when the knob changes."""
-        links = config.get("link")
-        if links is not self.links:
-            latency, bandwidth = parse_link(links).of(self.me)
-            self.links, self.link = links, (latency, 1.0 / bandwidth)
-        return self.link
+def _map_slots(path: str, ranks: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        nbytes = ranks * _SLOTS_PER_RANK * _SLOT_BYTES
+        if os.fstat(fd).st_size < nbytes:
+            os.ftruncate(fd, nbytes)          # zeros; every rank asks for the same size
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
-_groups: Dict[object, _Group] = {}
+_groups: Dict[object, "_C.PaceGroup"] = {}
 _next_cid = 1
-_slots: Optional[_Slots] = None
-_written = itertools.count()            # this rank's entries so far (its next slot)
+_slots: Optional[mmap.mmap] = None
+_bound = None                           # the (link, timeout) pace_settings last got
 
 
-def _group(comm, members: Optional[tuple] = None) -> _Group:
-    """The record of ``comm``, or of its ranks ``members`` (a group with no communicator
-    of its own, a partial all-reduce's), made at its first emulated collective. A
-    communicator's members agree on its id by one small allreduce there (they run their
-    collectives on it in one order); a group of members takes the negated hash of their
-    world ranks."""
-    global _next_cid, _slots
+def group(comm, members: Optional[tuple] = None):
+    """The ``_C.PaceGroup`` that paces collectives on ``comm`` (among its ranks ``members``
+    if given: a group with no communicator of its own, a partial all-reduce's); None for a
+    group of one. Made at its first paced collective: a communicator's members agree on
+    its id by one small allreduce there (they run their collectives on it in one order);
+    a group of members takes the negated hash of their world ranks."""
+    global _next_cid, _slots, _bound
+    if (comm.Get_size() if members is None else len(members)) <= 1:
+        return None
+    links, timeout = config.get("link"), config.get("timeout")
+    if _bound is None or links is not _bound[0] or timeout != _bound[1]:     # a knob changed
+        from mpi4py import MPI
+        latency, bandwidth = parse_link(links).of(MPI.COMM_WORLD.Get_rank())
+        _C.pace_settings(latency, 1.0 / bandwidth, timeout)
+        _bound = (links, timeout)
     key = id(comm) if members is None else (id(comm), members)
     found = _groups.get(key)
-    if found is None or found.comm is not comm:
+    if found is None or found.owner is not comm:
         from mpi4py import MPI
+        world = MPI.COMM_WORLD
         if _slots is None:
-            _slots = _Slots(os.path.join(_job().dir, "collectives"), MPI.COMM_WORLD.Get_size())
+            _slots = _map_slots(os.path.join(_job().dir, "collectives"), world.Get_size())
+            _C.pace_bind(_slots, world.Get_size(), world.Get_rank())
         if members is None:
             cid = comm.allreduce(_next_cid, op=MPI.MAX)
             _next_cid = cid + 1
-            world = _world_ranks(comm, range(comm.Get_size()))
+            ranks = _world_ranks(comm, range(comm.Get_size()))
         else:
-            world = _world_ranks(comm, members)
-            cid = -1 - (hash(tuple(world)) & (2**61 - 1))
-        found = _groups[key] = _Group(comm, cid, world)
+            ranks = _world_ranks(comm, members)
+            cid = -1 - (hash(tuple(ranks)) & (2**61 - 1))
+        found = _groups[key] = _C.PaceGroup(cid, ranks, world.Get_rank(), comm)
     return found
 
 
@@ -477,22 +310,14 @@ def enter(kind: str, comm, nbytes: int, issued: float = math.inf,
     """Before collective ``kind`` on ``comm`` (among its ranks ``members`` if given): this
     rank's entry (when it was issued, but not before this rank's previous one ended; its
     link, its bytes) where the other members can read it, for ``leave``; None for a group
-    of one. The C short path calls it (and ``leave``) around its MPI calls under a link,
-    ``issued`` the time of its call."""
+    of one. (The compiled paths enter through ``group`` and their own stamp of the call.)"""
     now = time.monotonic()
-    if (comm.Get_size() if members is None else len(members)) <= 1:
-        return None
+    paced = group(comm, members)
     if getattr(_called, "at", None) is not None:
         issued, _called.at = min(issued, _called.at), None
-    group = _group(comm, members)
-    group.count += 1
-    key = hash((group.cid, group.count)) & (2**62 - 1) or 1
-    mine = (max(min(issued, now), _last_end[0]), *group.my_link(), float(nbytes))
-    _slots.write(group.me, next(_written) % _Slots.SLOTS, key, mine)
-    return kind, group, key, mine
+    return paced.enter(kind, nbytes, min(issued, now)) if paced is not None else None
 
 
-_last_end = [0.0]           # when this rank's latest emulated collective ended
 _called = threading.local()
 
 
@@ -503,46 +328,16 @@ def called() -> None:
         _called.at = time.monotonic()
 
 
-def _entries(group: _Group, key: int, mine: tuple) -> Optional[list]:
-    """The members' entries of collective ``key``, this rank's being ``mine``; None while
-    one is not there."""
-    rows = [mine]
-    for rank in group.others:
-        row = _slots.find(rank, key)
-        if row is None:
-            return None
-        rows.append(row)
-    return rows
-
-
-def _end(kind: str, n: int, rows) -> float:
-    """When a collective of ``n`` members with entries ``rows`` ends in the model: the
-    latest entry plus the cost at the slowest member's link."""
-    times, latencies, inverse_bandwidths, sizes = zip(*rows)
-    slowest = max(inverse_bandwidths)
-    total = sum(sizes) if kind == "allgather" else max(sizes)
-    return max(times) + collective_time(kind, n, total, max(latencies),
-                                        1.0 / slowest if slowest > 0 else math.inf)
-
-
 def leave(entry) -> None:
-    """After the real collective: sleep until the modelled end (the same on every member)."""
+    """After the real collective: sleep until the modelled end (the same on every member).
+    A member that never comes: the real call says so, not this."""
     if entry is None:
         return
-    kind, group, key, mine = entry
-    rows = _entries(group, key, mine)
-    if rows is None:                # a broadcast's root can finish before the others come
-        # Not before the end this rank's entry alone gives (the others' can only make it
-        # later); by then the others are usually there.
-        sleep_until(_end(kind, len(group.world), [mine]))
-        try:
-            rows = poll(lambda: _entries(group, key, mine), time.monotonic() + config.get("timeout"),
-                        lambda: "")
-        except CollectiveTimeout:       # a member never came: the real call says so
-            return
-    with timeline.phase("emulated link", "emulated", model=kind):
-        sleep_until(_end(kind, len(group.world), rows))
-    _last_end[0] = time.monotonic()
+    if timeline.on:
+        with timeline.phase("emulated link", "emulated", model=entry.kind):
+            _C.pace_leave(entry)
+    else:
+        _C.pace_leave(entry)
 
 
 def modelled(kind: str, what):
@@ -939,7 +734,7 @@ class _Emulator:
         wake-up pipe; polls real requests (backing off to 1 ms) only while one is later
         than its model."""
         from mpi4py import MPI
-        _precise_timers()
+        _C.precise_timers()
         poll = _POLL_MIN
         while not self.closed:
             with self.lock:
@@ -1003,12 +798,12 @@ class _Emulator:
             # it sleeps in select to the release (1 ns timer slack). It used to wake
             # 30 us early and then call time.sleep(0), a 40 us sleep on Python 3.11.
             wait = None if wake == math.inf else max(0.0, wake - now)
-            releasing = _core_waits.on and wait and self.due and wake == self.due[0][0]
+            releasing = _C.counting_core_waits() and wait and self.due and wake == self.due[0][0]
             if releasing:
-                before = _run_delay()
+                before = _C.run_delay()
             ready, _, _ = select.select([self.wake_r, self.records_fd], [], [], wait)
             if releasing:
-                _core_waits.woke(wake, before)
+                _C.core_wait_woke(wake, before)
             if self.wake_r in ready:
                 try:
                     os.read(self.wake_r, 4096)
@@ -1092,7 +887,7 @@ class _Emulator:
             self.late_sends = [e for e in self.late_sends if e.real is not None]
             late |= bool(self.late_sends)
         while self.due and self.due[0][0] <= now:
-            _core_waits.released, _, entry = heapq.heappop(self.due)
+            _released_due[0], _, entry = heapq.heappop(self.due)
             if entry.grequest is not None:
                 entry.grequest.Complete()
                 entry.grequest = None

@@ -342,12 +342,12 @@ def _read_settings() -> None:
     _C.partial_settings(not _settings.check and not timeline.configured(),
                         _settings.cache_after, _settings.direct_bytes, _settings.doubling_from,
                         _settings.chunk_bytes, _settings.timeout,
-                        *((_link_enter, emulation.leave) if _settings.link else ()))
+                        *((_link_pace,) if _settings.link else ()))
 
 
-def _link_enter(kind: str, members: Tuple[int, ...], nbytes: int, issued: float):
-    """The compiled entry's ``emulation.enter`` for a round of ``members`` (as ``_plan``'s)."""
-    return emulation.enter(kind, _state().comm, nbytes, issued, members)
+def _link_pace(members: Tuple[int, ...]):
+    """The compiled entry's pacing of a round of ``members`` (as ``_plan``'s)."""
+    return emulation.group(_state().comm, members)
 
 
 _settings: _Settings

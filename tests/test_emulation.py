@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from pycoll import config, emulation, hetero
+from pycoll import _C, config, emulation, hetero
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,59 +125,66 @@ def test_nap_ends_when_the_emulation_releases_a_request(settings, monkeypatch):
 
 
 
-def test_core_waits_count_only_the_wait_after_the_deadline(monkeypatch):
+def test_core_waits_count_only_the_wait_after_the_deadline():
     """The cluster time's correction: of a thread's run delay (runnable, no core) only
     what came after the modelled deadline is counted, never more than the time since it."""
-    clock, delay = [0.0], [0.0]
-    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(emulation, "_run_delay", lambda: delay[0])
-    waits = emulation._CoreWaits()
+    woke, after = _C.core_wait_woke, _C.core_wait_after
+    after(-math.inf)                                     # forget what came before
 
-    def woke(at, run_delay, deadline, before, awake=None):
-        clock[0], delay[0] = at, run_delay
-        return waits.woke(deadline, before, awake)
+    def back(at, run_delay, deadline, before, awake=-1.0):   # this thread, at `at`
+        woke(deadline, before, awake, at, run_delay)
 
-    woke(9.9, 5e-6, deadline=10.0, before=0.0)         # back before the deadline: nothing
-    assert waits.after(0.0) == 0.0
-    woke(10.00005, 200e-6, deadline=10.0, before=0.0)  # waited 200 us, 50 of them after it
-    assert waits.after(0.0) == pytest.approx(50e-6)
-    woke(10.00005, 10e-6, deadline=10.0, before=0.0)   # waited 10 us, all after it
+    back(9.9, 5e-6, deadline=10.0, before=0.0)          # back before the deadline: nothing
+    assert after(0.0, 9.9, 5e-6) == 0.0
+    back(10.00005, 200e-6, deadline=10.0, before=0.0)   # waited 200 us, 50 of them after it
+    assert after(0.0, 10.00005, 200e-6) == pytest.approx(50e-6)
+    back(10.00005, 10e-6, deadline=10.0, before=0.0)    # waited 10 us, all after it
     # Awake from 30 us before the deadline (sleep_until's spin): 50 us of waits, of
     # which up to 30 may have come before it; at most the 40 us since it count.
-    woke(10.00004, 60e-6, deadline=10.0, before=10e-6, awake=9.99997)
-    clock[0] = 10.001
-    assert waits.after(9.0) == pytest.approx(30e-6)
-    assert waits.after(9.0) == 0.0                     # forgotten once read
-    woke(20.0001, 1.0, deadline=20.0, before=0.0)      # an earlier deadline's wait...
-    woke(20.0003, 1.0, deadline=20.0002, before=0.0)   # ...gives way to the latest's
-    woke(20.0004, 1.0, deadline=20.0001, before=0.0)   # and an earlier one stays out
-    clock[0] = 20.0005
-    assert waits.after(15.0) == pytest.approx(100e-6)
-    woke(30.1, 1.0, deadline=30.0, before=0.0)
-    clock[0] = 30.2
-    assert waits.after(31.0) == 0.0                    # before ``since``: another run's
-    woke(40.1, 1.0, deadline=40.0, before=0.0)
-    clock[0] = 40.05                                   # never more than the time since it
-    assert waits.after(39.0) <= 0.05
-    woke(50.0001, 100e-6, deadline=50.0, before=0.0)
-    clock[0], delay[0] = 50.001, 300e-6                # this thread's waits since, too
-    assert waits.after(49.0) == pytest.approx(300e-6)
+    back(10.00004, 60e-6, deadline=10.0, before=10e-6, awake=9.99997)
+    assert after(9.0, 10.001, 60e-6) == pytest.approx(30e-6)
+    assert after(9.0, 10.001, 60e-6) == 0.0             # forgotten once read
+    back(20.0001, 1.0, deadline=20.0, before=0.0)       # an earlier deadline's wait...
+    back(20.0003, 1.0, deadline=20.0002, before=0.0)    # ...gives way to the latest's
+    back(20.0004, 1.0, deadline=20.0001, before=0.0)    # and an earlier one stays out
+    assert after(15.0, 20.0005, 1.0) == pytest.approx(100e-6)
+    back(30.1, 1.0, deadline=30.0, before=0.0)
+    assert after(31.0, 30.2, 1.0) == 0.0                # before ``since``: another run's
+    back(40.1, 1.0, deadline=40.0, before=0.0)
+    assert after(39.0, 40.05, 1.0) <= 0.05              # never more than the time since it
+    back(50.0001, 100e-6, deadline=50.0, before=0.0)
+    # this thread's waits since it woke, too
+    assert after(49.0, 50.001, 300e-6) == pytest.approx(300e-6)
 
 
-def test_sleep_until_counts_its_core_wait_when_asked(monkeypatch):
+def test_sleep_until_counts_its_core_wait_when_asked():
     """Counted only after ``count_core_waits``; then at most how late the sleep ended."""
-    monkeypatch.setattr(emulation._core_waits, "on", False)
-    monkeypatch.setattr(emulation._core_waits, "deadline", -math.inf)
-    start = time.monotonic()
-    emulation.sleep_until(start + 0.001)
-    assert emulation._core_waits.deadline == -math.inf
-    emulation.count_core_waits()
-    assert emulation._core_waits.on
-    for _ in range(20):
+    was = _C.counting_core_waits()
+    _C.count_core_waits(False)
+    try:
         start = time.monotonic()
-        emulation.sleep_until(start + 0.0005)
-        waited = emulation.core_wait_after(start)
-        assert 0.0 <= waited <= time.monotonic() - (start + 0.0005)
+        emulation.sleep_until(start + 0.001)
+        assert emulation.core_wait_after(-math.inf) == 0.0
+        emulation.count_core_waits()
+        assert _C.counting_core_waits()
+        for _ in range(20):
+            start = time.monotonic()
+            emulation.sleep_until(start + 0.0005)
+            waited = emulation.core_wait_after(start)
+            assert 0.0 <= waited <= time.monotonic() - (start + 0.0005)
+    finally:
+        _C.count_core_waits(was)
+
+
+def test_sleep_until_returns_on_time():
+    """Asleep, then yielding: not before its deadline, and (this thread alone) soon after."""
+    late = []
+    for wait in (0.0, 50e-6, 500e-6, 2e-3):
+        start = time.monotonic()
+        emulation.sleep_until(start + wait)
+        late.append(time.monotonic() - (start + wait))
+    assert min(late) >= 0.0
+    assert sorted(late)[len(late) // 2] < 0.05       # generous: a loaded machine's slice
 
 # ---------------------------------------------------------------- slowdown windows
 
@@ -343,7 +350,7 @@ def test_the_short_path_runs_under_a_link_and_costs_its_model(link, settings, ki
 def test_the_compiled_paths_charge_the_model_from_the_call(link, settings, monkeypatch, kind):
     """Default configuration (no checks): the compiled paths' model runs from the call, as
     the general path's does, not from when their own work before the MPI calls is done:
-    the entry's time is taken in C before the emulation's enter is even called."""
+    the entry's time is taken in C before the emulation's group is even looked up."""
     import pycoll
     from pycoll import _C, partial
     settings(check=False, partial_cache_after=0)
@@ -353,19 +360,17 @@ def test_the_compiled_paths_charge_the_model_from_the_call(link, settings, monke
              "allgather": lambda: _C.allgather_now(x, None, None, None),
              "partial": lambda: _C.partial_now(x, True, list(range(n)), pycoll.Sum, None)}
     partial._state()                                # bound as by a first call
-    seen, enter = [], emulation.enter
+    seen, group = [], emulation.group
 
     def spy(*args, **kwargs):
-        hooked = time.monotonic()
-        entry = enter(*args, **kwargs)
-        seen.append((hooked, entry[3][0]))          # (enter called, the model's start)
-        return entry
+        seen.append((time.monotonic(), group(*args, **kwargs)))
+        return seen[-1][1]
     pycoll.barrier()
-    monkeypatch.setattr(emulation, "enter", spy)
+    monkeypatch.setattr(emulation, "group", spy)
     called = time.monotonic()
     assert calls[kind]() is not None, "the compiled path stepped aside under a link"
-    (hooked, start), = seen
-    assert called <= start < hooked, (called, start, hooked)
+    (hooked, paced), = seen
+    assert called <= paced.latest < hooked, (called, paced.latest, hooked)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -17,6 +17,7 @@
 #include "partition.h"
 #include "partial.h"
 #include "partial_now.h"
+#include "py_ref.h"
 #include "short_path.h"
 
 namespace py = pybind11;
@@ -159,12 +160,10 @@ int block_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 PyBufferProcs block_buffer = {block_getbuffer, nullptr};
 
 PyTypeObject block_type = [] {
-    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "pycoll._C.HostBlock";
-    t.tp_basicsize = sizeof(HostBlock);
-    t.tp_flags = Py_TPFLAGS_DEFAULT;
-    t.tp_doc = "host_block(nbytes)'s memory, writable through the buffer protocol; back to the pool when it dies.";
-    t.tp_dealloc = block_dealloc;
+    PyTypeObject t = type_of(
+        "pycoll._C.HostBlock", sizeof(HostBlock),
+        "host_block(nbytes)'s memory, writable through the buffer protocol; back to the pool when it dies.",
+        block_dealloc);
     t.tp_as_buffer = &block_buffer;
     return t;
 }();

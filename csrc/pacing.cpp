@@ -169,17 +169,16 @@ PyGetSetDef entry_getset[] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
+void entry_dealloc(PyObject* self) {
+    Py_XDECREF(reinterpret_cast<Entry*>(self)->group);
+    Py_TYPE(self)->tp_free(self);
+}
+
 PyTypeObject entry_type = [] {
-    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "pycoll._C.PaceEntry";
-    t.tp_basicsize = sizeof(Entry);
-    t.tp_flags = Py_TPFLAGS_DEFAULT;
-    t.tp_doc = "A rank's entry into one paced collective (PaceGroup.enter); pace_leave(entry) after it.";
+    PyTypeObject t = type_of("pycoll._C.PaceEntry", sizeof(Entry),
+                             "A rank's entry into one paced collective (PaceGroup.enter); pace_leave(entry) after it.",
+                             entry_dealloc);
     t.tp_getset = entry_getset;
-    t.tp_dealloc = [](PyObject* self) {
-        Py_XDECREF(reinterpret_cast<Entry*>(self)->group);
-        Py_TYPE(self)->tp_free(self);
-    };
     return t;
 }();
 
@@ -245,16 +244,13 @@ PyMemberDef group_members[] = {
 };
 
 PyTypeObject group_type = [] {
-    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "pycoll._C.PaceGroup";
-    t.tp_basicsize = sizeof(Group);
-    t.tp_flags = Py_TPFLAGS_DEFAULT;
-    t.tp_doc =
+    PyTypeObject t = type_of(
+        "pycoll._C.PaceGroup", sizeof(Group),
         "PaceGroup(cid, world, me, owner): a group's paced collectives: cid, the same on every member; world, its "
-        "members' ranks in MPI.COMM_WORLD (me among them). After pace_bind.";
+        "members' ranks in MPI.COMM_WORLD (me among them). After pace_bind.",
+        group_dealloc);
     t.tp_new = PyType_GenericNew;
     t.tp_init = group_init;
-    t.tp_dealloc = group_dealloc;
     t.tp_methods = group_methods;
     t.tp_members = group_members;
     return t;

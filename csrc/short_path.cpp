@@ -160,17 +160,14 @@ PyGetSetDef gate_getset[] = {
 };
 
 PyTypeObject gate_type = [] {
-    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "pycoll._C.Gate";
-    t.tp_basicsize = sizeof(Gate);
-    t.tp_flags = Py_TPFLAGS_DEFAULT;
-    t.tp_doc =
+    PyTypeObject t = type_of(
+        "pycoll._C.Gate", sizeof(Gate),
         "Gate(wake): the engine's token. The engine's thread takes it to run queued work; a caller claims it to run "
         "one operation in its own thread when nothing is pending. wake() is called when it is released with work "
-        "pending.";
+        "pending.",
+        gate_dealloc);
     t.tp_new = PyType_GenericNew;
     t.tp_init = gate_init;
-    t.tp_dealloc = gate_dealloc;
     t.tp_methods = gate_methods;
     t.tp_getset = gate_getset;
     return t;

@@ -88,6 +88,20 @@ def test_collective_costs():
         emulation.collective_time("gossip", 2, B, a, b)
 
 
+def test_a_pace_group_says_what_is_wrong():
+    with pytest.raises(ValueError, match="world rank 5 must be among the members once"):
+        _C.PaceGroup(1, [0, 1], 5, None)
+    with pytest.raises(ValueError, match="world rank 1 must be among the members once"):
+        _C.PaceGroup(1, [0, 1, 1], 1, None)
+    group = _C.PaceGroup(7, [2, 0, 3], 0, "owner")
+    assert (group.size, group.count, group.owner) == (3, 0, "owner")
+    with pytest.raises(ValueError, match="no cost model for collective 'gossip'"):
+        group.enter("gossip", 4, 0.0)
+    assert group.count == 0                            # nothing entered
+    with pytest.raises(TypeError, match="is not a PaceEntry"):
+        _C.pace_leave(group)
+
+
 def test_without_a_link_nothing_is_wrapped(settings):
     settings(link=None)
     thing, run = object(), lambda: 1

@@ -290,8 +290,8 @@ PYBIND11_MODULE(_C, m) {
          "pace_leave(entry): after a paced collective's real transfer, sleep (without the GIL) until its modelled end, "
          "the same on every member."},
         {"pace_bind", pacing::bind, METH_VARARGS,
-         "pace_bind(slots, ranks, rank): the shared-memory slots (a writable buffer of 256 * 40 bytes a rank) where the "
-         "ranks of MPI.COMM_WORLD write their entries; pace_bind(None): none."},
+         "pace_bind(path, ranks, rank): map the file (made and sized if need be) where the ranks of MPI.COMM_WORLD "
+         "write their entries into paced collectives, this rank being rank; pace_bind(None): none."},
         {"pace_settings", pacing::settings, METH_VARARGS,
          "pace_settings(latency, inverse_bandwidth, timeout): this rank's link (seconds, seconds per byte) and how "
          "long leaving waits for a member's entry."},

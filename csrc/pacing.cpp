@@ -13,8 +13,13 @@
 // 4 KiB transfers' whole model (docs/benchmarks.md).
 #include "pacing.h"
 
+#include <fcntl.h>
 #include <structmember.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,8 +78,8 @@ struct Slot {
 // This process's side of the slots, and its link (pace_settings).
 struct Shared {
     std::mutex lock;  // the slots' hints and counters; the GIL is not held while leaving
-    Py_buffer view{};
-    Slot* slots = nullptr;
+    Slot* slots = nullptr;  // the file, mapped
+    size_t mapped = 0;
     Py_ssize_t ranks = 0, me = -1;
     std::vector<Py_ssize_t> hints;  // per rank: the slot where its latest entry found was
     uint64_t written = 0;           // this rank's entries so far (its next slot)
@@ -257,7 +262,7 @@ PyTypeObject group_type = [] {
 }();
 
 void unbind() {
-    if (shared.slots) PyBuffer_Release(&shared.view);
+    if (shared.slots) munmap(shared.slots, shared.mapped);
     shared.slots = nullptr;
     shared.ranks = 0, shared.me = -1;
 }
@@ -329,24 +334,35 @@ PyObject* py_leave(PyObject*, PyObject* entry) {
 }
 
 PyObject* bind(PyObject*, PyObject* args) {
-    PyObject* slots;
+    PyObject* path;
     Py_ssize_t ranks = 0, me = -1;
-    if (!PyArg_ParseTuple(args, "O|nn:pace_bind", &slots, &ranks, &me)) return nullptr;
+    if (!PyArg_ParseTuple(args, "O|nn:pace_bind", &path, &ranks, &me)) return nullptr;
     std::lock_guard<std::mutex> hold(shared.lock);
     unbind();
-    if (slots == Py_None) Py_RETURN_NONE;
+    if (path == Py_None) Py_RETURN_NONE;
     if (ranks <= 0 || me < 0 || me >= ranks) {
         PyErr_Format(PyExc_ValueError, "pace_bind: rank %zd of %zd ranks is not a rank", me, ranks);
         return nullptr;
     }
-    if (PyObject_GetBuffer(slots, &shared.view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return nullptr;
-    if (shared.view.len < static_cast<Py_ssize_t>(sizeof(Slot)) * SLOTS * ranks) {
-        PyBuffer_Release(&shared.view);
-        PyErr_Format(PyExc_ValueError, "pace_bind: the slots take %zd bytes for %zd ranks; the buffer has %zd",
-                     static_cast<Py_ssize_t>(sizeof(Slot)) * SLOTS * ranks, ranks, shared.view.len);
-        return nullptr;
+    PyObject* encoded = nullptr;
+    if (!PyUnicode_FSConverter(path, &encoded)) return nullptr;
+    Ref name(encoded);
+    const char* file = PyBytes_AS_STRING(encoded);
+    const size_t nbytes = sizeof(Slot) * SLOTS * static_cast<size_t>(ranks);
+    const int fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    struct stat st;
+    // Zeros; every rank asks for the same size, so whichever grows the file, it fits all.
+    const bool sized = fd >= 0 && fstat(fd, &st) == 0 &&
+                       (static_cast<size_t>(st.st_size) >= nbytes || ftruncate(fd, static_cast<off_t>(nbytes)) == 0);
+    void* map = sized ? mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    const int error = errno;
+    if (fd >= 0) close(fd);
+    if (map == MAP_FAILED) {
+        errno = error;
+        return PyErr_SetFromErrnoWithFilename(PyExc_OSError, file);
     }
-    shared.slots = static_cast<Slot*>(shared.view.buf);
+    shared.slots = static_cast<Slot*>(map);
+    shared.mapped = nbytes;
     shared.ranks = ranks, shared.me = me;
     shared.hints.assign(static_cast<size_t>(ranks), SLOTS - 1);
     Py_RETURN_NONE;

@@ -18,7 +18,7 @@ PyObject* enter(PyObject* group, PyObject* kind, Py_ssize_t nbytes, double issue
 // the GIL. False with an error.
 bool leave(PyObject* entry);
 
-// pace_leave(entry), pace_bind(slots, ranks, rank), pace_settings(latency, inverse_bandwidth,
+// pace_leave(entry), pace_bind(path, ranks, rank), pace_settings(latency, inverse_bandwidth,
 // timeout), collective_time(kind, n, nbytes, latency, bandwidth), sleep_until(deadline),
 // run_delay(), count_core_waits(on), counting_core_waits(), core_wait_woke(deadline, before,
 // awake=-1, at=-1, delay=-1), core_wait_after(since, at=-1, delay=-1), precise_timers(): see

@@ -47,7 +47,6 @@ import heapq
 import itertools
 import logging
 import math
-import mmap
 import numbers
 import os
 import re
@@ -240,8 +239,6 @@ def core_wait_after(since: float) -> float:
 # Each rank's entries into its latest collectives lie in a file in shared memory that every
 # rank maps; entering and leaving are compiled (csrc/pacing.cpp: the file's layout, the
 # model, the sleep), so a small collective under a link costs its model plus a wake-up.
-_SLOTS_PER_RANK, _SLOT_BYTES = 256, 40
-
 
 def _world_ranks(comm, ranks) -> list:
     """``comm``'s ``ranks`` as ranks of MPI.COMM_WORLD (the slots' rows)."""
@@ -254,21 +251,15 @@ def _world_ranks(comm, ranks) -> list:
         world.Free()
 
 
-def _map_slots(path: str, ranks: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        nbytes = ranks * _SLOTS_PER_RANK * _SLOT_BYTES
-        if os.fstat(fd).st_size < nbytes:
-            os.ftruncate(fd, nbytes)          # zeros; every rank asks for the same size
-        return mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
 _groups: Dict[object, "_C.PaceGroup"] = {}
 _next_cid = 1
-_slots: Optional[mmap.mmap] = None
-_bound = None                           # the (link, timeout) pace_settings last got
+_bound = False                  # the slots mapped (pace_bind), settings watched
+_settled = False                # the link and timeout given to C (pace_settings) as they are
+
+
+def _unsettle() -> None:
+    global _settled
+    _settled = False            # a knob changed: pace_settings again at the next collective
 
 
 def group(comm, members: Optional[tuple] = None):
@@ -277,23 +268,23 @@ def group(comm, members: Optional[tuple] = None):
     group of one. Made at its first paced collective: a communicator's members agree on
     its id by one small allreduce there (they run their collectives on it in one order);
     a group of members takes the negated hash of their world ranks."""
-    global _next_cid, _slots, _bound
+    global _next_cid, _bound, _settled
     if (comm.Get_size() if members is None else len(members)) <= 1:
         return None
-    links, timeout = config.get("link"), config.get("timeout")
-    if _bound is None or links is not _bound[0] or timeout != _bound[1]:     # a knob changed
+    if not _bound or not _settled:
         from mpi4py import MPI
-        latency, bandwidth = parse_link(links).of(MPI.COMM_WORLD.Get_rank())
-        _C.pace_settings(latency, 1.0 / bandwidth, timeout)
-        _bound = (links, timeout)
+        world = MPI.COMM_WORLD
+        if not _bound:          # (config imports this module: watched from the first use)
+            _C.pace_bind(os.path.join(_job().dir, "collectives"), world.Get_size(), world.Get_rank())
+            config.watch(_unsettle)
+            _bound = True
+        latency, bandwidth = parse_link(config.get("link")).of(world.Get_rank())
+        _C.pace_settings(latency, 1.0 / bandwidth, config.get("timeout"))
+        _settled = True
     key = id(comm) if members is None else (id(comm), members)
     found = _groups.get(key)
     if found is None or found.owner is not comm:
         from mpi4py import MPI
-        world = MPI.COMM_WORLD
-        if _slots is None:
-            _slots = _map_slots(os.path.join(_job().dir, "collectives"), world.Get_size())
-            _C.pace_bind(_slots, world.Get_size(), world.Get_rank())
         if members is None:
             cid = comm.allreduce(_next_cid, op=MPI.MAX)
             _next_cid = cid + 1
@@ -301,7 +292,7 @@ def group(comm, members: Optional[tuple] = None):
         else:
             ranks = _world_ranks(comm, members)
             cid = -1 - (hash(tuple(ranks)) & (2**61 - 1))
-        found = _groups[key] = _C.PaceGroup(cid, ranks, world.Get_rank(), comm)
+        found = _groups[key] = _C.PaceGroup(cid, ranks, MPI.COMM_WORLD.Get_rank(), comm)
     return found
 
 

@@ -219,6 +219,7 @@ def test_emulation_bench_smoke(tmp_path):
     assert "clus/mod" in proc.stdout and "checked rows within 10%" in proc.stdout
     data = json.loads(out.read_text())
     assert data["meta"]["link"] == "1ms,100MB/s" and data["meta"]["ranks"] == 2
+    assert data["meta"]["arrive"] == "busy"      # ranks spin to each start by default
     seen = {(r["op"], r["pushers"]) for r in data["rows"]}
     assert seen == {("allreduce", None), ("allgather", None), ("broadcast", None),
                     ("partial", None), ("ps push", 1), ("ps push", 2), ("ps pull", 1),

@@ -233,6 +233,16 @@ def test_emulation_bench_smoke(tmp_path):
         # Never faster than the link's part of the model (S can overlap the latency).
         assert r["measured_ms"] >= 0.9 * (r["model_ms"] - r["server_ms"]), r
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Ranks asleep to each start, the collectives alone.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "emulation.py"),
+                           "--ranks", "2", "--sizes", "4K", "--reps", "1", "--jobs", "collectives",
+                           "--arrive", "idle", "--link", "1ms,100MB/s", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["meta"]["arrive"] == "idle"
+    assert {r["op"] for r in data["rows"]} == {"allreduce", "allgather", "broadcast", "partial"}
+    assert all(r["measured_ms"] >= 0.9 * r["model_ms"] for r in data["rows"]), data["rows"]
 
 
 def test_timeline_cost_and_plot_smoke(tmp_path):

@@ -11,9 +11,9 @@ job on --ranks workers and 1 server (ASP, no optimizer: pushes of one worker, th
 at once; then pulls likewise). Every repetition starts all ranks at one instant (they
 share this machine's clock); tables quote the median. By default the ranks spin to that
 instant (``--arrive busy``), as ranks of a training loop arrive at a collective from
-compute; ``--arrive idle`` sleeps to it, and a core left idle starts the call cold: on
-the 16-core machine 4 KiB calls without a link took 31-54 us asleep, 2-8 warm, and under
-a link ended 13-19 us after their model (2026-11-28).
+compute; ``--arrive idle`` sleeps to it. A call after a pause is slower for raw MPI and
+pycoll alike: on the 16-core machine a 4 KiB allreduce took 5-6 us back to back, 12-13
+after 2 ms spinning and 22-26 after 2 ms asleep (2026-11-28).
 
 When a row starts, and its model with it:
   A collective cannot start before its last member has called it: the emulation charges
@@ -140,8 +140,7 @@ def _together(comm, arrive: str) -> float:
     """Start every rank of ``comm`` at one instant (the latest clock, plus 2 ms); when this
     one did (on a loaded machine some start a fraction of a millisecond late). ``busy``:
     the ranks spin to it, yielding, as ranks arriving from compute would; ``idle``: they
-    sleep to it, and a core idle for 2 ms starts the call cold (4 KiB calls without a link
-    took 31-54 us on the 16-core machine against 2-8 warm)."""
+    sleep to it."""
     from pycoll import emulation
     deadline = _max(comm, time.monotonic())[0] + 0.002
     if arrive == "idle":

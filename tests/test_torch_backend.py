@@ -142,6 +142,38 @@ def test_all_gather_and_into_tensor(groups):
     assert_same(*both(groups, run))
 
 
+def test_all_gather_coalesced_rank_first(groups):
+    """torch's order: ``outputs[r][i]`` is input i of rank r."""
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        shapes = [(1,), (2, 2), (0,), (3, 1)]
+        outputs = [[torch.full(s, -1.0) for s in shapes] for _ in range(size)]
+        dist.all_gather_coalesced(outputs, [values(rank, s, seed=i) for i, s in enumerate(shapes)],
+                                  group=g)
+        return outputs
+    with pytest.warns(FutureWarning):
+        assert_same(*both(groups, run))
+    ours = groups[0]
+    with pytest.raises(ValueError, match="one output per input"):
+        dist.all_gather_coalesced([[torch.empty(1)] for _ in range(size)],
+                                  [torch.ones(1), torch.ones(1)], group=ours)
+    dist.barrier(group=ours)
+
+
+def test_a_group_is_named_and_destroyed(world):
+    """torch names each group (functional collectives and destroy_process_group look it
+    up); destroying one leaves the others working."""
+    rank, size = world
+    group = dist.new_group(list(range(size)), backend="pycoll")
+    assert group.group_name and group.group_name != dist.group.WORLD.group_name
+    x = torch.ones(3)
+    dist.all_reduce(x, group=group)
+    dist.destroy_process_group(group)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((3,), float(size * size)))
+
+
 def test_reduce_scatter_and_tensor(groups):
     rank, size = groups[2], groups[3]
 

@@ -180,12 +180,22 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         # be a collective that the ranks not in that send never join.
         self._p2p_comm = emulation.p2p(runtime.engine().run(group.comm.Dup, "torch.p2p_comm"))
         self._p2p_failure: Optional[BaseException] = None
+        self._group_name = ""
 
     def _complete(self, works, finish, name) -> PycollWork:
         return _completion(works, finish, name, self._timeout)
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch names every group (destroy_process_group, functional collectives look it up);
+    # its ProcessGroup keeps the name in its registered backends, and this one has none.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     @property
     def _ranks(self) -> int:
@@ -285,7 +295,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, inputs)]
+        """``output_lists[r][i]`` receives input ``i`` of rank ``r`` (torch's order)."""
+        self._check_count(output_lists, "all_gather_coalesced's output list")
+        for outs in output_lists:
+            if len(outs) != len(inputs):
+                raise ValueError(f"all_gather_coalesced needs one output per input ({len(inputs)}) "
+                                 f"for every rank, got {len(outs)}")
+        works = [self.allgather([[outs[i] for outs in output_lists]], [t], opts)
+                 for i, t in enumerate(inputs)]
         return works[-1] if works else self.barrier()
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):

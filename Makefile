@@ -1,7 +1,8 @@
 # make demo: set up .venv and train the digits MLP on 4 ranks.
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
-#            configuration at 2 and 4, and over TCP at 3).
+#            configuration at 2 and 4, and over TCP at 3), then torch's own
+#            distributed suite on the pycoll backend at 3 ranks (tools/torch_suite.py).
 # make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the partial all-reduce
 #             against MPI at 4 and 8 ranks, the training
 #             benchmarks and the emulated network against its model (bench/results/).
@@ -45,6 +46,11 @@ test: install
 	done
 	echo "== multi-rank tests at 3 ranks over TCP (btl tcp,self), default configuration"
 	OMPI_MCA_btl=tcp,self PYCOLL_CHECK=0 $(RUN) -np 3 python $(PYTEST) -q --with-mpi -m mpi tests
+	for as in pycoll mpi; do \
+	  echo "== torch's own distributed suite at 3 ranks, pycoll as the $$as backend"; \
+	  PYCOLL_TORCH_SUITE_AS=$$as $(RUN) -np 3 python $(PYTEST) -q --timeout 300 -W ignore::DeprecationWarning \
+	    tools/torch_suite.py || exit 1; \
+	done
 
 bench: install
 	mkdir -p bench/results

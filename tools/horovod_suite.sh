@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run Horovod's own PyTorch test suite against pycoll.torch, as Horovod runs it (CPU,
-# checks on), without copying it into this repository (its licence and size).
+# Run Horovod's own PyTorch test suite against pycoll.torch, as Horovod runs it (CPU),
+# without copying it into this repository (its licence and size). At each rank count it
+# runs twice: in pycoll's default configuration, as users run it, and with PYCOLL_CHECK=1.
 #
 #   tools/horovod_suite.sh HOROVOD_CHECKOUT [RANKS...]     (default ranks: 2 3)
 #
@@ -36,16 +37,18 @@ sed -e 's/^import horovod.torch as hvd/import pycoll.torch as hvd/' \
     -e 's/subclass != torch.optim.SparseAdam$/subclass != torch.optim.SparseAdam and subclass.__name__ != "Muon"/' \
     "$src/test/parallel/test_torch.py" > "$scratch/test_torch.py"
 "$venv/bin/python" -c "import mock" 2>/dev/null || "$venv/bin/pip" install -q --target "$scratch" mock
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYCOLL_CHECK=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cd "$scratch"
 inexact_at_3=(test_horovod_allreduce_prescale test_horovod_reducescatter_prescale
               test_horovod_grouped_reducescatter_prescale test_horovod_join_allreduce)
 for n in $ranks; do
-  echo "== Horovod's test_torch.py at $n ranks"
   deselect=()
   if [ "$n" = 3 ]; then
     for t in "${inexact_at_3[@]}"; do deselect+=(--deselect "test_torch.py::TorchTests::$t"); done
   fi
-  PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" python -m pytest -p no:cacheprovider \
-    -q -rs --timeout 300 "${deselect[@]}" test_torch.py
+  for check in 0 1; do
+    echo "== Horovod's test_torch.py at $n ranks, PYCOLL_CHECK=$check"
+    PYCOLL_CHECK=$check PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" python -m pytest \
+      -p no:cacheprovider -q -rs --timeout 300 "${deselect[@]}" test_torch.py
+  done
 done

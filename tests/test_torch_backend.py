@@ -342,6 +342,17 @@ def test_functional_collectives_and_fsdp2_match_gloo(groups):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_world_larger_than_mpis_names_the_launcher(world):
+    """torchrun and mp.spawn start processes that are each MPI's whole world."""
+    from types import SimpleNamespace
+    from pycoll.torch import backend
+    rank, size = world
+    options = SimpleNamespace(global_ranks_in_group=[], group_size=size + 1, group_rank=rank,
+                              timeout=None)
+    with pytest.raises(ValueError, match=r"one process per MPI rank.*pycollrun -np N"):
+        backend._create(options)
+
+
 def test_pycoll_rendezvous_takes_rank_and_size_from_mpi(world):
     """pycoll:// gives every rank one shared store (the gloo groups beside pycoll's meet
     through it) and refuses a rank that is not MPI's, on every rank, before any MPI call."""

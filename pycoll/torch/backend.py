@@ -513,7 +513,13 @@ def _create(options, backend_options=None) -> ProcessGroupPycoll:
     """torch's factory for the backend (extended API: it names the group's global ranks)."""
     pycoll.init()
     world = runtime.world()
-    ranks = list(options.global_ranks_in_group) or list(range(world.size()))
+    ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
+    if max(ranks, default=0) >= world.size():
+        raise ValueError(
+            f"torch.distributed has {max(ranks) + 1} or more ranks, MPI's world here "
+            f"{world.size()}: the pycoll backend runs one process per MPI rank, so start the "
+            f"job with pycollrun or mpirun (pycollrun -np N python script.py), not torchrun "
+            f"or torch.multiprocessing")
     if options.group_size != len(ranks):
         raise ValueError(f"torch.distributed asked for a group of {options.group_size} ranks "
                          f"but named {len(ranks)}: {ranks}")

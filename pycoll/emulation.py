@@ -373,6 +373,10 @@ _RECORD = struct.Struct("<Bqiidddd")
 _SENT, _TAKEN = 0, 1
 _RECORDS_PER_READ = 65520 // _RECORD.size
 _POLL_MIN, _POLL_MAX = 20e-6, 1e-3
+# A matched receive whose message arrives in the model within this long is waited for in
+# the caller's thread: the link thread's release reaches a waiter 15-35 us after it
+# (MPI's completion alone, on the VM) to 40-130 us (with the hand-over of the GIL).
+_INLINE_S = 100e-6
 # How often every queue's first receive is tested, records or not: a safety net for a
 # message that came unbooked, never the way a booked message is found (tests set it to inf).
 _FALLBACK_S = 0.01
@@ -619,9 +623,10 @@ class _Emulator:
 
     def arrived_by(self, key: tuple, now: float) -> bool:
         """Whether the next message of ``key``, a matched one the caller is about to
-        receive, has arrived in the model by ``now``; if so it is taken (as ``arrival``)
-        and its receive needs no holding. Not while an earlier matched receive of ``key``
-        is held: that one takes the next record."""
+        receive, has arrived in the model by ``now``, or will within ``_INLINE_S``; if so
+        it is taken (as ``arrival``), the caller sleeps to its arrival, and its receive
+        needs no holding. Not while an earlier matched receive of ``key`` is held: that
+        one takes the next record."""
         matched = key + ("matched",)
         with self.lock:
             self._read_records()
@@ -630,10 +635,11 @@ class _Emulator:
                     getattr(e, "asked", None) == matched for e in self.new):
                 return False
             start, end, duration, latency = queue[0]
-            if duration >= 0 and max(max(start, self.ingress_free) + duration, end) + latency > now:
+            if duration >= 0 and (max(max(start, self.ingress_free) + duration, end) + latency
+                                  > now + _INLINE_S):
                 return False
-        due = self.arrival(key)          # the thread may have booked one meanwhile:
-        if due is not None:              # then it is microseconds away
+        due = self.arrival(key)
+        if due is not None:
             sleep_until(due)
         return True
 
@@ -1079,9 +1085,10 @@ def _make_comm_class():
 
         def Irecv(self, buf):
             posted, real = time.monotonic(), self._message.Irecv(buf)
-            # A message already arrived in the model (a small one whose header the
-            # receiver waited for: the parameter server's payload) completes with its
-            # real receive, not on the emulation thread's next turn (0.2-1 ms here).
+            # A message that has arrived in the model, or soon will (a small one whose
+            # header the receiver waited for: the parameter server's payload), completes
+            # with its real receive, the caller sleeping to its arrival, not on the
+            # emulation thread's next turn.
             if self._comm._emulator.arrived_by(self._key, posted):
                 if timeline.on:             # as the thread marks the receives it releases
                     timeline.interval("emulated receive", "emulated", posted, time.monotonic())

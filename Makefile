@@ -2,7 +2,8 @@
 # make test: set up .venv and run the whole test suite (unit tests, then the
 #            multi-rank tests under mpiexec at 1, 2, 3 and 4 ranks, in the default
 #            configuration at 2 and 4, and over TCP at 3), then torch's own
-#            distributed suite on the pycoll backend at 3 ranks (tools/torch_suite.py).
+#            distributed suite on the pycoll backend at 3 ranks (tools/torch_suite.py),
+#            also under an emulated link.
 # make bench: the collectives and fusion benchmarks at 2 and 4 ranks, the partial all-reduce
 #             against MPI at 4 and 8 ranks, the training
 #             benchmarks and the emulated network against its model (bench/results/).
@@ -51,6 +52,9 @@ test: install
 	  PYCOLL_TORCH_SUITE_AS=$$as $(RUN) -np 3 python $(PYTEST) -q --timeout 300 -W ignore::DeprecationWarning \
 	    tools/torch_suite.py || exit 1; \
 	done
+	echo "== torch's own distributed suite at 3 ranks, as the mpi backend, on an emulated 10 GbE link"
+	PYCOLL_TORCH_SUITE_AS=mpi $(RUN) -np 3 --link 50us,1.25GB/s python $(PYTEST) -q --timeout 300 \
+	  -W ignore::DeprecationWarning tools/torch_suite.py
 
 bench: install
 	mkdir -p bench/results

@@ -4,6 +4,7 @@
 # runs twice: in pycoll's default configuration, as users run it, and with PYCOLL_CHECK=1.
 #
 #   tools/horovod_suite.sh HOROVOD_CHECKOUT [RANKS...]     (default ranks: 2 3)
+#   PYCOLLRUN_FLAGS="--link 50us,1.25GB/s" tools/horovod_suite.sh ...   (extra pycollrun flags)
 #
 # HOROVOD_CHECKOUT is a clone of github.com/horovod/horovod. The suite is copied to a
 # scratch directory with two edits: its import becomes `import pycoll.torch as hvd`, and
@@ -48,7 +49,7 @@ for n in $ranks; do
   fi
   for check in 0 1; do
     echo "== Horovod's test_torch.py at $n ranks, PYCOLL_CHECK=$check"
-    PYCOLL_CHECK=$check PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" python -m pytest \
+    PYCOLL_CHECK=$check PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" ${PYCOLLRUN_FLAGS:-} python -m pytest \
       -p no:cacheprovider -q -rs --timeout 300 "${deselect[@]}" test_torch.py
   done
 done

@@ -45,7 +45,7 @@ if _world.size < _LEAST:
                 f"{_world.size}", 4)
 _temp = _world.bcast(tempfile.mkdtemp(prefix="pycoll-torch-suite-") if _world.rank == 0 else None)
 if _world.rank == 0:
-    for sub in ("barrier", "test_dir", "init_dir"):
+    for sub in ("test_dir", "init_dir"):     # no "barrier": _barrier below is MPI's
         os.mkdir(os.path.join(_temp, sub))
     atexit.register(shutil.rmtree, _temp, True)
 _world.Barrier()

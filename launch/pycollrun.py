@@ -4,8 +4,11 @@
     pycollrun -np 8 -H node1:4,node2:4 --slowdown 3:2 -- python -m mypkg.train
 
 Every pycoll knob (``pycoll/config.py``) is a flag here that sets its ``PYCOLL_*``
-variable in every rank. Multi-host runs use MPI's own machinery (``-H``/``--hostfile``);
-the exit status is mpiexec's, i.e. the failing rank's exit code.
+variable in every rank. Every rank also gets torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so
+``init_process_group("pycoll")`` and scripts written for torchrun run unchanged.
+Multi-host runs use MPI's own machinery (``-H``/``--hostfile``); the exit status is
+mpiexec's, i.e. the failing rank's exit code.
 """
 import argparse
 import importlib.util
@@ -13,6 +16,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -21,6 +25,15 @@ from pycoll import config      # pycoll starts MPI only on init(), never on impo
 PYTHON_NAMES = ("python", "python3")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 BOOLEANS = ("1", "0", "true", "false", "yes", "no", "on", "off")
+# torchrun's names for a rank's place, and where each MPI flavor's launcher puts it.
+TORCH_RANK_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+MPI_RANK_NAMES = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+TORCHRUN_PORT = 29500           # torchrun's default, for a rank 0 on another host
+LOCAL_NAMES = ("localhost", "127.0.0.1")
 
 
 def find_mpiexec() -> str:
@@ -82,6 +95,54 @@ def host_slots(hosts=None, hostfile=None):
             else:
                 return None
     return total
+
+
+def first_host(hosts=None, hostfile=None):
+    """The first host of `-H h:n,...` or of a hostfile, where MPI puts rank 0; None
+    without either."""
+    if hosts:
+        first = hosts.split(",")[0]
+    elif hostfile:
+        with open(hostfile) as f:
+            first = next((words[0] for words in (line.split("#")[0].split() for line in f) if words), None)
+    else:
+        return None
+    return first and (first.rpartition(":")[0] or first)
+
+
+def torch_master(args, env):
+    """MASTER_ADDR and MASTER_PORT for torch's env:// rendezvous: the user's where set; else
+    rank 0's host and a port free here, or torchrun's 29500 when rank 0 runs on another
+    host. Rank 0 here is named by this host's name, which other hosts reach too (without
+    -H, a resource manager's allocation may span several), else 127.0.0.1."""
+    host = first_host(args.host, args.hostfile)
+    here = host is None or host in LOCAL_NAMES + (socket.gethostname(),)
+    addr = env.get("MASTER_ADDR") or (this_host() if here else host)
+    port = env.get("MASTER_PORT")
+    if not port and here:
+        with socket.socket() as probe:     # the OS's free port; rank 0's store binds it next
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+    return addr, str(port or TORCHRUN_PORT)
+
+
+def this_host() -> str:
+    """This host's name if it resolves, else 127.0.0.1."""
+    name = socket.gethostname()
+    try:
+        socket.gethostbyname(name)
+    except OSError:
+        return "127.0.0.1"
+    return name
+
+
+def torch_env(flavor, master) -> list:
+    """A prefix that gives each rank torchrun's variables from its MPI launcher's, then
+    runs the command: `sh -c 'export RANK=$OMPI_COMM_WORLD_RANK ...; exec "$@"'`."""
+    ranks = " ".join(f"{ours}=${{{theirs}}}" for ours, theirs in zip(TORCH_RANK_NAMES, MPI_RANK_NAMES[flavor]))
+    addr, port = master
+    script = f'export {ranks} MASTER_ADDR={shlex.quote(addr)} MASTER_PORT={shlex.quote(port)}; exec "$@"'
+    return ["sh", "-c", script, "pycollrun"]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -146,11 +207,13 @@ def python_command(command, abort_on_error=True):
     return command[:i] + ["-m", "mpi4py"] + command[i:]
 
 
-def build_command(mpiexec, flavor, args, env, is_root=None, slots=None) -> list:
+def build_command(mpiexec, flavor, args, env, is_root=None, slots=None, master=None) -> list:
     """The mpiexec command line for `args` (parsed pycollrun options); `env` is the child
-    environment, whose PYCOLL_* (and PYTHONPATH) variables are exported to every rank."""
+    environment, whose PYCOLL_* (and PYTHONPATH) variables are exported to every rank;
+    `master`: torch's (MASTER_ADDR, MASTER_PORT), by default `torch_master`'s."""
     exported = sorted(k for k in env if k.startswith("PYCOLL_") or k == "PYTHONPATH")
-    command = python_command(args.command, args.abort_on_error)
+    command = torch_env(flavor, master or torch_master(args, env)) + \
+        python_command(args.command, args.abort_on_error)
     if flavor == "openmpi":
         cmd = [mpiexec, "-np", str(args.np)]
         if (os.geteuid() == 0) if is_root is None else is_root:

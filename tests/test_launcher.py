@@ -118,6 +118,28 @@ def test_help_lists_every_knob(launcher):
         assert knob.flag in out.stdout and knob.env in out.stdout
 
 
+def test_torch_default_rendezvous_works(launcher, tmp_path):
+    """init_process_group("pycoll") with torch's default env:// rendezvous, as a torchrun
+    script has it, and gloo's beside it: pycollrun gives every rank torchrun's variables."""
+    pytest.importorskip("torch")
+    prog = _script(tmp_path, """
+        import os, torch, torch.distributed as dist
+        import pycoll.torch
+        assert int(os.environ["LOCAL_WORLD_SIZE"]) == 2 and os.environ["LOCAL_RANK"] in "01"
+        for backend in ("pycoll", "gloo"):
+            dist.init_process_group(backend)
+            t = torch.full((3,), float(dist.get_rank() + 1))
+            dist.all_reduce(t)
+            print(backend, dist.get_rank(), os.environ["RANK"], dist.get_world_size(), t.tolist())
+            dist.destroy_process_group()
+    """)
+    out = _run(launcher, "-np", "2", "python", prog)
+    assert out.returncode == 0, out.stderr
+    for backend in ("pycoll", "gloo"):
+        for rank in (0, 1):
+            assert f"{backend} {rank} {rank} 2 [3.0, 3.0, 3.0]" in out.stdout, out.stdout
+
+
 def test_more_ranks_than_cores(launcher, tmp_path):
     n = max(3, pycollrun.local_slots() + 1)
     prog = _script(tmp_path, f"import os\nprint('rank', {RANK})\n")
@@ -225,8 +247,35 @@ def test_mpich_command(tmp_path):
     assert ["-genv", "PYTHONPATH", "/src"] == cmd[cmd.index("PYTHONPATH") - 1:cmd.index("PYTHONPATH") + 2]
     assert not {"--allow-run-as-root", "--oversubscribe", "-x", "HOME"} & set(cmd)
     args = _args("-np", "2", "--hostfile", "hf", "./a.out")
-    cmd = pycollrun.build_command("mpiexec", "mpich", args, {}, is_root=False)
-    assert cmd == ["mpiexec", "-n", "2", "-f", "hf", "./a.out"]
+    cmd = pycollrun.build_command("mpiexec", "mpich", args, {}, is_root=False, master=("n1", "29500"))
+    assert cmd == ["mpiexec", "-n", "2", "-f", "hf"] + pycollrun.torch_env("mpich", ("n1", "29500")) + ["./a.out"]
+
+
+@pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
+def test_every_rank_gets_torchruns_variables(flavor):
+    """The prefix turns each flavor's rank variables into torchrun's (run here by sh
+    with made-up launcher variables)."""
+    ours = dict(zip(pycollrun.MPI_RANK_NAMES[flavor], ("3", "8", "1", "4")))
+    prefix = pycollrun.torch_env(flavor, ("node1", "1234"))
+    out = subprocess.run(prefix + [sys.executable, "-c", "import os; print(*(os.environ[k] for k in "
+                                   "('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', "
+                                   "'MASTER_ADDR', 'MASTER_PORT')))"],
+                         env=dict(os.environ, RANK="0", **ours), capture_output=True, text=True)
+    assert out.stdout.split() == ["3", "8", "1", "4", "node1", "1234"], out.stderr
+
+
+def test_torch_master(tmp_path):
+    master = pycollrun.torch_master
+    addr, port = master(_args("-np", "2", "./a.out"), {})
+    assert addr in (pycollrun.this_host(), "127.0.0.1") and 0 < int(port) < 65536
+    assert master(_args("-np", "2", "-H", "a:1,b:1", "x"), {}) == ("a", "29500")
+    assert master(_args("-np", "2", "-H", "a:1,b:1", "x"), {"MASTER_PORT": "7"}) == ("a", "7")
+    assert master(_args("-np", "2", "x"), {"MASTER_ADDR": "m", "MASTER_PORT": "7"}) == ("m", "7")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\n\nnode2:4\nnode1 slots=2\n")
+    assert master(_args("-np", "2", "--hostfile", str(hostfile), "x"), {}) == ("node2", "29500")
+    hostfile.write_text("localhost slots=2\n")
+    assert master(_args("-np", "2", "--hostfile", str(hostfile), "x"), {})[0] == pycollrun.this_host()
 
 
 def test_python_command():

@@ -5,7 +5,8 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 ``pycoll://`` is a rendezvous over MPI, made when the process group is (any torch
-backend may use it); torch's own ``env://`` works too where its variables are set.
+backend may use it); torch's own ``env://`` (the default) works too where its variables
+are set, as pycollrun sets them.
 
 Every collective is issued to pycoll's engine as an async operation, followed by a
 small completion step queued behind it: the engine runs operations in issue order, so

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -18,12 +19,14 @@
 
 namespace pycoll {
 
-enum class DType : int { Float16, BFloat16, Float32, Float64, Int8, Int16, Int32, Int64, UInt8 };
+enum class DType : int { Float16, BFloat16, Float32, Float64, Int8, Int16, Int32, Int64, UInt8, Bool };
 enum class Op : int { Sum, Min, Max, Prod };
 
 constexpr const char* kDTypeNames[] = {"float16", "bfloat16", "float32", "float64", "int8",
-                                       "int16",   "int32",    "int64",   "uint8"};
-constexpr size_t kDTypeSizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1};
+                                       "int16",   "int32",    "int64",   "uint8",  "bool"};
+constexpr size_t kDTypeSizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1, 1};
+static_assert(std::size(kDTypeNames) == std::size(kDTypeSizes) && std::size(kDTypeNames) == int(DType::Bool) + 1,
+              "one name and one size for each DType");
 constexpr const char* kOpNames[] = {"sum", "min", "max", "prod"};
 
 inline const char* name(DType dt) { return kDTypeNames[static_cast<int>(dt)]; }
@@ -126,6 +129,7 @@ template <class F> void dispatch_dtype(DType dt, F&& f) {
         case DType::Int32: return f(Tag<int32_t>{});
         case DType::Int64: return f(Tag<int64_t>{});
         case DType::UInt8: return f(Tag<uint8_t>{});
+        case DType::Bool: return f(Tag<bool>{});  // sums saturate: or; products: and
     }
     throw std::invalid_argument("bad dtype");
 }

@@ -24,14 +24,20 @@ from .work import Work
 
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
+# bool travels as bytes of 0 or 1, where Max is logical or and Min logical and (MPI's own
+# bool type takes only MPI's logical ops); _C.reduce's bool arithmetic gives the same.
+_BOOL_OPS = {Sum: MPI.MAX, Max: MPI.MAX, Min: MPI.MIN, Product: MPI.MIN}
 # float16 and bfloat16 travel as 16-bit words; MPI cannot reduce them, _C.reduce can.
 _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.FLOAT,
               "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
-              "int32": MPI.INT32_T, "int64": MPI.INT64_T, "uint8": MPI.UINT8_T}
+              "int32": MPI.INT32_T, "int64": MPI.INT64_T, "uint8": MPI.UINT8_T,
+              "bool": MPI.UINT8_T}
 _half_ops: dict = {}
 
 
 def mpi_op(op: ReduceOp, dtype: str):
+    if dtype == "bool":
+        return _BOOL_OPS[op]
     if dtype not in ("float16", "bfloat16"):
         return _MPI_OPS[op]
     reduction = kernel_op(op)

@@ -36,6 +36,9 @@ def kernel_op(op: ReduceOp) -> str:
 
 
 def check_reduction(op: ReduceOp, dtype: str) -> None:
+    if op is Average and dtype == "bool":
+        raise TypeError("Average of bool tensors is not defined; use op=pycoll.Sum or Max "
+                        "(any rank's True), Min or Product (every rank's)")
     if op is Average and dtype not in FLOATS:
         raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
                         "and divide, or cast to a float dtype")

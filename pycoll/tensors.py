@@ -16,16 +16,20 @@ import numpy as np
 
 from . import _C, config
 
+# The one dtype table. An index here is a dtype's code in the parameter server's messages:
+# add at the end, never reorder. bool is a byte of 0 or 1: reduced, Sum and Max are any
+# rank's True (logical or, as torch's gloo and NCCL backends give), Min and Product all.
 DTYPES = ("float16", "bfloat16", "float32", "float64",
-          "int8", "int16", "int32", "int64", "uint8")
+          "int8", "int16", "int32", "int64", "uint8", "bool")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1}
+            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-# DLPack's (type code, bits) -> our dtype name; codes: 0 int, 1 uint, 2 float, 4 bfloat.
+# DLPack's (type code, bits) -> our dtype name; codes: 0 int, 1 uint, 2 float, 4 bfloat,
+# 6 bool.
 _DLPACK_DTYPES = {(2, 16): "float16", (4, 16): "bfloat16", (2, 32): "float32",
                   (2, 64): "float64", (0, 8): "int8", (0, 16): "int16",
-                  (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8"}
+                  (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8", (6, 8): "bool"}
 _NUMPY_DTYPES = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}
 try:
     import ml_dtypes

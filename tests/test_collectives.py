@@ -344,6 +344,42 @@ def test_broadcast_from_every_root(group, kind, dtype, fake_device):
         assert_matches(x, rank_input(dtype, (6, 2), root), dtype)
 
 
+def bool_input(rank, kind):
+    """Position i holds bit ``rank`` of i: any rank's True and every rank's are known."""
+    return make((np.arange(16) >> rank) & 1 == 1, "bool", kind)
+
+
+def as_bools(x):
+    return to_numpy(x).astype(bool)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+def test_bool_tensors(group, kind, fake_device):
+    """bool reduces as torch's gloo and NCCL backends reduce it: Sum and Max are any rank's
+    True, Min and Product every rank's; the other collectives move it as bytes."""
+    arg, rank, size = group
+    members = (1 << size) - 1
+    bits = np.arange(16) & members
+    for op, expected in (("Sum", bits != 0), ("Max", bits != 0), ("Min", bits == members),
+                         ("Product", bits == members)):
+        x = bool_input(rank, kind)
+        y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+        assert type(y) is type(x) and y.dtype == x.dtype
+        np.testing.assert_array_equal(as_bools(y), expected)
+        pycoll.allreduce_async_(x, op=getattr(pycoll, op), group=arg).wait()
+        np.testing.assert_array_equal(as_bools(x), expected)
+        xs = [bool_input(rank, kind), bool_input(rank, kind)]
+        for z in pycoll.grouped_allreduce(xs, op=getattr(pycoll, op), group=arg):
+            np.testing.assert_array_equal(as_bools(z), expected)
+    with pytest.raises(TypeError, match="Average of bool tensors is not defined"):
+        pycoll.allreduce(bool_input(rank, kind), group=arg)
+    np.testing.assert_array_equal(
+        as_bools(pycoll.broadcast(bool_input(rank, kind), root=size - 1, group=arg)),
+        as_bools(bool_input(size - 1, "numpy")))
+    np.testing.assert_array_equal(as_bools(pycoll.allgather(bool_input(rank, kind), group=arg)),
+                                  np.concatenate([bool_input(r, "numpy") for r in range(size)]))
+
+
 def test_broadcast_bad_root(group):
     arg, rank, size = group
     with pytest.raises(ValueError, match="root must be a rank"):

@@ -69,11 +69,19 @@ def fakegpu_view():
     return type("Strided", (), {"__cuda_array_interface__": cai})()
 
 
-@pytest.mark.parametrize("x", [np.zeros(3, bool), torch.zeros(3, dtype=torch.bool),
-                               np.zeros(3, np.complex64), torch.zeros(3, dtype=torch.complex64)])
+@pytest.mark.parametrize("x", [np.zeros(3, np.complex64), torch.zeros(3, dtype=torch.complex64),
+                               np.zeros(3, np.uint16), torch.zeros(3, dtype=torch.uint16)])
 def test_unsupported_dtype_names_the_supported_ones(x):
-    with pytest.raises(TypeError, match="supported: float16"):
+    with pytest.raises(TypeError, match="supported: float16.*uint8, bool"):
         as_buffer(x)
+
+
+@pytest.mark.parametrize("x", [np.array([True, False, True]),
+                               torch.tensor([True, False, True]),
+                               fakegpu.FakeCudaArray(np.array([True, False, True]))])
+def test_bool_is_read_as_bytes(x):
+    b = as_buffer(x)
+    assert (b.dtype, b.nbytes, tuple(b.shape)) == ("bool", 3, (3,))
 
 
 def test_unsupported_object():

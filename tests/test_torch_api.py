@@ -99,8 +99,17 @@ def test_wrong_root_and_unsupported_dtype_are_refused():
     with pytest.raises(TypeError, match="does not support dtype"):
         hvd.allreduce(torch.ones(2, dtype=torch.complex64))
     with pytest.raises(TypeError, match="does not support dtype"):
-        hvd.allgather(torch.ones(2, dtype=torch.bool))
+        hvd.allgather(torch.ones(2, dtype=torch.uint16))
     hvd.barrier()
+
+
+def test_bool_tensors():
+    """bool (a mask, a flag): gathered as bytes; Sum and Max are any rank's True."""
+    r, n = hvd.rank(), hvd.size()
+    flags = torch.tensor([r == 0, True, False])
+    assert torch.equal(hvd.allgather(flags), torch.tensor([[k == 0, True, False] for k in range(n)]).reshape(-1))
+    assert hvd.allreduce(flags, op=hvd.Max).tolist() == [True, True, False]
+    assert hvd.allreduce(flags, op=hvd.Min).tolist() == [n == 1, True, False]
 
 
 def test_grouped_allreduce():

@@ -87,6 +87,23 @@ def test_all_reduce(groups, dtype, op):
     assert_same(*both(groups, run))
 
 
+@pytest.mark.parametrize("op", OPS, ids=str)
+def test_bool_tensors_as_gloo(groups, op):
+    """bool: reduced as gloo reduces it (SUM and MAX any, MIN and PRODUCT all), broadcast
+    and gathered as bytes."""
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        x = (torch.arange(16) >> rank) % 2 == 1
+        dist.all_reduce(x, op=op, group=g)
+        y = torch.arange(4) % (rank + 2) == 0
+        dist.broadcast(y, src=size - 1, group=g)
+        gathered = [torch.empty(4, dtype=torch.bool) for _ in range(size)]
+        dist.all_gather(gathered, y ^ (rank % 2 == 1), group=g)
+        return [x, y] + gathered
+    assert_same(*both(groups, run))
+
+
 @pytest.fixture(params=[True, False], ids=["overlap", "blocking"])
 def overlap(request, monkeypatch):
     """Both ways allreduces run: async on the engine's thread, and blocking in the caller's
@@ -269,6 +286,27 @@ def test_bad_input_is_refused(groups):
 
 
 # ---------------------------------------------------------------- DDP
+
+def test_ddp_broadcasts_bool_and_integer_buffers(groups):
+    """DDP sends rank 0's parameters and buffers at construction and buffers each step: a
+    bool mask and BatchNorm's int64 count among them."""
+    ours, _, rank, size = groups
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.rand(4) < 0.5)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ours)
+
+    def same_everywhere(tensors):
+        flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+        everyone = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(everyone, flat, group=ours)
+        return all(torch.equal(flat, other) for other in everyone)
+    assert same_everywhere(model.state_dict().values()) and model.mask.dtype == torch.bool
+    for _ in range(2):      # each forward broadcasts the buffers; backward averages gradients
+        ddp(torch.randn(8, 4)).sum().backward()
+    assert same_everywhere(p.grad for p in model.parameters())
+
+
 
 def _data(size, steps=4, per_rank=4):
     g = torch.Generator().manual_seed(7)

@@ -57,9 +57,7 @@ META_LEN = 7
 HEADER = struct.Struct("<4sHHIQqdIIQddd")
 ENTRY = np.dtype([("dtype", "<u1"), ("name_len", "<u2"), ("count", "<i8"), ("lo", "<i8"),
                   ("hi", "<i8")])                       # packed: 27 bytes
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
-          "uint8")                                      # codes on the wire: never reorder
-ITEMSIZES = (2, 2, 4, 8, 1, 2, 4, 8, 1)
+DTYPES = tensors.DTYPES                                 # a dtype's code is its index
 # Payload pieces (PYCOLL_CHUNK_BYTES, ``tensors.piece_bytes``): the server adds each piece
 # into its parameters while the piece is still in cache, instead of landing the whole
 # payload in memory and reading it back (a third less memory traffic for big pushes).
@@ -85,7 +83,7 @@ class Entry(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return (self.hi - self.lo) * ITEMSIZES[DTYPES.index(self.dtype)]
+        return (self.hi - self.lo) * tensors.ITEMSIZE[self.dtype]
 
 
 class Request(NamedTuple):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 import pycoll
-from pycoll import Average, Max, Min, Product, Sum, negotiation, ops, runtime  # noqa: F401
+from pycoll import Average, Max, Min, Product, Sum, negotiation, ops, runtime, tensors  # noqa: F401
 
 from . import adasum as _adasum
 from .compression import Compression
@@ -417,9 +417,7 @@ def _submit(process_set: ProcessSet, kind: str, name: Optional[str], meta: tuple
 
 # ---------------------------------------------------------------- tensors and numbers
 
-_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-           torch.float64: "float64", torch.int8: "int8", torch.int16: "int16",
-           torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+_DTYPES = {getattr(torch, name): name for name in tensors.DTYPES}
 
 
 def _check(tensor, what: str) -> str:

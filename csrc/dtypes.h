@@ -20,19 +20,21 @@
 namespace pycoll {
 
 enum class DType : int { Float16, BFloat16, Float32, Float64, Int8, Int16, Int32, Int64, UInt8, Bool };
-enum class Op : int { Sum, Min, Max, Prod };
+enum class Op : int { Sum, Min, Max, Prod, BAnd, BOr, BXor };
 
 constexpr const char* kDTypeNames[] = {"float16", "bfloat16", "float32", "float64", "int8",
                                        "int16",   "int32",    "int64",   "uint8",  "bool"};
 constexpr size_t kDTypeSizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1, 1};
 static_assert(std::size(kDTypeNames) == std::size(kDTypeSizes) && std::size(kDTypeNames) == int(DType::Bool) + 1,
               "one name and one size for each DType");
-constexpr const char* kOpNames[] = {"sum", "min", "max", "prod"};
+constexpr const char* kOpNames[] = {"sum", "min", "max", "prod", "band", "bor", "bxor"};
+static_assert(std::size(kOpNames) == int(Op::BXor) + 1, "one name for each Op");
 
 inline const char* name(DType dt) { return kDTypeNames[static_cast<int>(dt)]; }
 inline const char* name(Op op) { return kOpNames[static_cast<int>(op)]; }
 inline size_t itemsize(DType dt) { return kDTypeSizes[static_cast<int>(dt)]; }
 inline bool is_float(DType dt) { return static_cast<int>(dt) <= static_cast<int>(DType::Float64); }
+inline bool is_bitwise(Op op) { return op == Op::BAnd || op == Op::BOr || op == Op::BXor; }
 
 namespace detail {
 // std::invalid_argument becomes ValueError in Python.
@@ -151,6 +153,9 @@ template <class F> void dispatch_op(Op op, F&& f) {
         case Op::Min: return f(OpTag<Op::Min>{});
         case Op::Max: return f(OpTag<Op::Max>{});
         case Op::Prod: return f(OpTag<Op::Prod>{});
+        case Op::BAnd: return f(OpTag<Op::BAnd>{});
+        case Op::BOr: return f(OpTag<Op::BOr>{});
+        case Op::BXor: return f(OpTag<Op::BXor>{});
     }
     throw std::invalid_argument("bad op");
 }

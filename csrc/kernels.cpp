@@ -21,6 +21,12 @@ void check_float(DType dt, const char* what) {
                                     name(dt));
 }
 
+void check_op(DType dt, Op op, const char* what) {
+    if (is_bitwise(op) && is_float(dt))
+        throw std::invalid_argument(std::string(what) + ": " + name(op) + " needs an integer or bool dtype, got " +
+                                    name(dt));
+}
+
 void check_scaled_sizes(const std::vector<size_t>& nbytes, DType dt, double scale, const char* what) {
     if (scale != 1.0) check_float(dt, (std::string(what) + " with scale != 1").c_str());
     const size_t size = itemsize(dt);
@@ -79,6 +85,7 @@ void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<s
 }
 
 void reduce(void* inout, const void* src, size_t count, DType dt, Op op) {
+    check_op(dt, op, "reduce");
     if (!count) return;
     dispatch_dtype(dt, [&](auto tag) {
         using T = typename decltype(tag)::type;

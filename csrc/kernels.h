@@ -15,6 +15,8 @@ namespace pycoll {
 // ---- argument checks, shared by CPU and CUDA ------------------------------------------
 void check_same_length(size_t a, size_t b, const char* what);
 void check_float(DType dt, const char* what);
+// reduce: bitwise ops need an integer or bool dtype.
+void check_op(DType dt, Op op, const char* what);
 // unpack and the scaled copies: nbytes multiples of itemsize(dt); scale != 1 needs a
 // float dtype. `what` names the caller in the message.
 void check_scaled_sizes(const std::vector<size_t>& nbytes, DType dt, double scale, const char* what);

@@ -37,8 +37,13 @@ template <class C> PYCOLL_HD bool is_nan(C v) {
 template <class C>
 using wrap_t = std::conditional_t<(sizeof(C) <= 4), uint32_t, uint64_t>;
 
-template <Op op, class C> PYCOLL_HD C combine(C a, C b) {  // sum, prod
-    if constexpr (std::is_integral<C>::value) {
+template <Op op, class C> PYCOLL_HD C combine(C a, C b) {  // sum, prod, bitwise
+    if constexpr (op == Op::BAnd || op == Op::BOr || op == Op::BXor) {
+        if constexpr (std::is_integral<C>::value)  // bool too: a byte of 0 or 1
+            return C(op == Op::BAnd ? a & b : op == Op::BOr ? a | b : a ^ b);
+        else
+            return a;  // never run: reduce() refuses floats for bitwise ops (check_op)
+    } else if constexpr (std::is_integral<C>::value) {
         using W = wrap_t<C>;
         return C(op == Op::Sum ? W(W(a) + W(b)) : W(W(a) * W(b)));
     } else {

@@ -14,12 +14,13 @@ from .hetero import slowdown, slowdown_factor
 from .runtime import (Group, init, is_initialized, local_rank, local_size, new_group, rank,
                       shutdown, size)
 from .inspector import CollectiveMismatch
-from .ops import Average, Max, Min, Product, ReduceOp, Sum
+from .ops import Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product, ReduceOp, Sum
 from .work import CollectiveTimeout, GroupBroken, Work
 
 __version__ = "0.1.0"
 
-_OPS = ("ReduceOp", "Sum", "Average", "Min", "Max", "Product")
+_OPS = ("ReduceOp", "Sum", "Average", "Min", "Max", "Product", "BitwiseAnd", "BitwiseOr",
+        "BitwiseXor")
 _COLLECTIVES = (
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

@@ -17,16 +17,17 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _C, config, emulation, runtime, tensors, timeline
-from .ops import (Average, Max, Min, Product, ReduceOp, Sum, check_reduction,  # noqa: F401
-                  check_root, kernel_op, reduce_op)
+from .ops import (Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product,  # noqa: F401
+                  ReduceOp, Sum, check_reduction, check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
 from .work import Work
 
 
-_MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD}
+_MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
+            BitwiseAnd: MPI.BAND, BitwiseOr: MPI.BOR, BitwiseXor: MPI.BXOR}
 # bool travels as bytes of 0 or 1, where Max is logical or and Min logical and (MPI's own
 # bool type takes only MPI's logical ops); _C.reduce's bool arithmetic gives the same.
-_BOOL_OPS = {Sum: MPI.MAX, Max: MPI.MAX, Min: MPI.MIN, Product: MPI.MIN}
+_BOOL_OPS = dict(_MPI_OPS, **{Sum: MPI.MAX, Product: MPI.MIN})
 # float16 and bfloat16 travel as 16-bit words; MPI cannot reduce them, _C.reduce can.
 _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.FLOAT,
               "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,

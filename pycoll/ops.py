@@ -13,10 +13,15 @@ class ReduceOp(str, enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "prod"
+    BITWISE_AND = "band"
+    BITWISE_OR = "bor"
+    BITWISE_XOR = "bxor"
 
 
 Sum, Average, Min, Max, Product = (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN,
                                    ReduceOp.MAX, ReduceOp.PRODUCT)
+BitwiseAnd, BitwiseOr, BitwiseXor = ReduceOp.BITWISE_AND, ReduceOp.BITWISE_OR, ReduceOp.BITWISE_XOR
+BITWISE = (BitwiseAnd, BitwiseOr, BitwiseXor)
 
 
 def reduce_op(op) -> ReduceOp:
@@ -25,8 +30,8 @@ def reduce_op(op) -> ReduceOp:
     try:
         return ReduceOp(op)
     except ValueError:
-        raise ValueError(f"unknown reduction {op!r}; use pycoll.Sum, Average, Min, Max "
-                         "or Product") from None
+        raise ValueError(f"unknown reduction {op!r}; use pycoll.Sum, Average, Min, Max, "
+                         "Product, BitwiseAnd, BitwiseOr or BitwiseXor") from None
 
 
 def kernel_op(op: ReduceOp) -> str:
@@ -36,6 +41,9 @@ def kernel_op(op: ReduceOp) -> str:
 
 
 def check_reduction(op: ReduceOp, dtype: str) -> None:
+    if op in BITWISE and dtype in FLOATS:
+        raise TypeError(f"{op.name.title().replace('_', '')} of {dtype} tensors is not "
+                        "defined; bitwise reductions take integer and bool tensors")
     if op is Average and dtype == "bool":
         raise TypeError("Average of bool tensors is not defined; use op=pycoll.Sum or Max "
                         "(any rank's True), Min or Product (every rank's)")

@@ -380,6 +380,28 @@ def test_bool_tensors(group, kind, fake_device):
                                   np.concatenate([bool_input(r, "numpy") for r in range(size)]))
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+@pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint8", "bool"])
+def test_bitwise_reductions(group, kind, dtype, fake_device):
+    """BitwiseAnd, BitwiseOr and BitwiseXor of integer and bool tensors, as MPI's BAND, BOR
+    and BXOR; floats are refused before anything is sent."""
+    arg, rank, size = group
+    inputs = [(np.arange(32) * (r + 3) + 5 * r) % 97 for r in range(size)]
+    if dtype == "bool":
+        inputs = [x % 2 == 1 for x in inputs]
+    inputs = [x.astype(np_dtype(dtype)) for x in inputs]
+    for op, reference in (("BitwiseAnd", np.bitwise_and), ("BitwiseOr", np.bitwise_or),
+                          ("BitwiseXor", np.bitwise_xor)):
+        expected = reference.reduce(np.stack(inputs), axis=0)
+        x = make(inputs[rank], dtype, kind)
+        y = pycoll.allreduce(x, op=getattr(pycoll, op), group=arg)
+        np.testing.assert_array_equal(to_numpy(y).astype(expected.dtype), expected)
+        pycoll.allreduce_async_(x, op=getattr(pycoll, op), group=arg).wait()
+        np.testing.assert_array_equal(to_numpy(x).astype(expected.dtype), expected)
+    with pytest.raises(TypeError, match="BitwiseOr of float32 tensors is not defined"):
+        pycoll.allreduce(make(inputs[rank], "float32", kind), op=pycoll.BitwiseOr, group=arg)
+
+
 def test_broadcast_bad_root(group):
     arg, rank, size = group
     with pytest.raises(ValueError, match="root must be a rank"):

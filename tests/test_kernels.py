@@ -98,7 +98,7 @@ def test_bad_names():
     a = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match=r"float33.*float16, bfloat16, float32"):
         _C.reduce(ptr(a), ptr(a), 4, "float33", "sum")
-    with pytest.raises(ValueError, match=r"'avg'.*sum, min, max, prod"):
+    with pytest.raises(ValueError, match=r"'avg'.*sum, min, max, prod, band, bor, bxor"):
         _C.reduce(ptr(a), ptr(a), 4, "float32", "avg")
     with pytest.raises(ValueError, match="complex64"):
         _C.itemsize("complex64")
@@ -131,6 +131,23 @@ def test_reduce(name, op, n, offsets):
     _C.reduce(ptr(inout), ptr(src), n, name, op)
     assert_same(inout, expected)
     assert_same(src, b)
+
+
+@pytest.mark.parametrize("op, reference", [("band", np.bitwise_and), ("bor", np.bitwise_or),
+                                           ("bxor", np.bitwise_xor)])
+@pytest.mark.parametrize("name", ["int8", "int16", "int32", "int64", "uint8", "bool"])
+def test_bitwise_reduce(name, op, reference):
+    a, b = random(name, 1023, 1), random(name, 1023, 2)
+    inout = place(a, 1)
+    _C.reduce(ptr(inout), ptr(b), len(a), name, op)
+    assert_same(inout, reference(a, b))
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_bitwise_reduce_refuses_floats(name):
+    a = np.zeros(4, DTYPES[name])
+    with pytest.raises(ValueError, match=f"band needs an integer or bool dtype, got {name}"):
+        _C.reduce(ptr(a), ptr(a), 4, name, "band")
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])

@@ -87,6 +87,19 @@ def test_all_reduce(groups, dtype, op):
     assert_same(*both(groups, run))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.bool])
+@pytest.mark.parametrize("op", [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR], ids=str)
+def test_bitwise_all_reduce_as_gloo(groups, dtype, op):
+    rank = groups[2]
+
+    def run(g):
+        x = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(rank))
+        x = (x % 2 == 1) if dtype == torch.bool else x.to(dtype)
+        dist.all_reduce(x, op=op, group=g)
+        return x
+    assert_same(*both(groups, run))
+
+
 @pytest.mark.parametrize("op", OPS, ids=str)
 def test_bool_tensors_as_gloo(groups, op):
     """bool: reduced as gloo reduces it (SUM and MAX any, MIN and PRODUCT all), broadcast
@@ -279,6 +292,8 @@ def test_objects_and_barrier(groups):
 def test_bad_input_is_refused(groups):
     ours, _, rank, size = groups
     with pytest.raises(ValueError, match="SUM, AVG"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0), group=ours)
+    with pytest.raises(TypeError, match="BitwiseAnd of float32 tensors is not defined"):
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, group=ours)
     with pytest.raises(ValueError, match="all_gather_into_tensor needs"):
         dist.all_gather_into_tensor(torch.empty(size + 1), torch.ones(1), group=ours)

@@ -201,6 +201,7 @@ void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<s
 }
 
 void reduce(void* inout, const void* src, size_t count, DType dt, Op op, uintptr_t stream) {
+    check_op(dt, op, "cuda_reduce");
     if (!count) return;
     const size_t size = itemsize(dt);
     dispatch_dtype(dt, [&](auto tag) {

@@ -62,11 +62,13 @@ def reduce_op(op) -> "pycoll.ReduceOp":
     kind = getattr(op, "op", op)                  # ReduceOp wraps a RedOpType
     table = {dist.ReduceOp.SUM: pycoll.Sum, dist.ReduceOp.AVG: pycoll.Average,
              dist.ReduceOp.MIN: pycoll.Min, dist.ReduceOp.MAX: pycoll.Max,
-             dist.ReduceOp.PRODUCT: pycoll.Product}
+             dist.ReduceOp.PRODUCT: pycoll.Product, dist.ReduceOp.BAND: pycoll.BitwiseAnd,
+             dist.ReduceOp.BOR: pycoll.BitwiseOr, dist.ReduceOp.BXOR: pycoll.BitwiseXor}
     for torch_op, ours in table.items():
         if kind == torch_op:
             return ours
-    raise ValueError(f"the pycoll backend reduces with SUM, AVG, MIN, MAX and PRODUCT; got {op}")
+    raise ValueError(f"the pycoll backend reduces with SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR "
+                     f"and BXOR; got {op}")
 
 
 def _seconds(timeout) -> Optional[float]:

@@ -137,6 +137,23 @@ def test_all_reduce_avg_and_async_future(groups, overlap):
     torch.testing.assert_close(result, total / size)
 
 
+def test_strided_tensors_as_gloo(groups, overlap):
+    """all_reduce (one and coalesced), broadcast and reduce of non-contiguous tensors, which
+    gloo takes: reduced through contiguous copies, written back."""
+    rank, size = groups[2], groups[3]
+
+    def run(g):
+        xs = [values(rank, (4, 3), seed=s).t() for s in range(4)]
+        dist.all_reduce(xs[0], group=g)
+        dist.all_reduce_coalesced([xs[1], values(rank, (5,))], group=g)
+        dist.broadcast(xs[2], src=size - 1, group=g)
+        dist.reduce(xs[3], dst=0, group=g)
+        return xs[:3] + ([xs[3]] if rank == 0 else [])
+    ours, gloo = both(groups, run)
+    assert not ours[0].is_contiguous()
+    assert_same(ours, gloo)
+
+
 def test_all_reduce_coalesced(groups, overlap):
     rank = groups[2]
 

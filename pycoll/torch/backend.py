@@ -165,6 +165,19 @@ def _split_into(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+def _dense(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors``, each strided one replaced by a contiguous copy (gloo takes strided
+    tensors; pycoll reads contiguous memory): ``_write_back`` returns the results."""
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+def _write_back(tensors: Sequence[torch.Tensor], dense: Sequence[torch.Tensor]) -> list:
+    for t, d in zip(tensors, dense):
+        if d is not t:
+            t.copy_(d)
+    return list(tensors)
+
+
 def _one_tensor(tensors, what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"the pycoll backend's {what} takes one tensor per process, "
@@ -210,19 +223,20 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        tensors = list(tensors)
-        if tensors and not api.overlap_pays(tensors[0]):
-            pycoll.grouped_allreduce_(tensors, op=op, group=self.group, name="torch.allreduce")
-            return _completed(tensors)
-        work = pycoll.grouped_allreduce_async_(tensors, op=op, group=self.group,
+        dense = _dense(tensors)
+        if dense and not api.overlap_pays(dense[0]):
+            pycoll.grouped_allreduce_(dense, op=op, group=self.group, name="torch.allreduce")
+            return _completed(_write_back(tensors, dense))
+        work = pycoll.grouped_allreduce_async_(dense, op=op, group=self.group,
                                                name="torch.allreduce")
-        return self._complete([work], lambda _: tensors, "torch.allreduce")
+        return self._complete([work], lambda _: _write_back(tensors, dense), "torch.allreduce")
 
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")
         op, root = reduce_op(opts.reduceOp), opts.rootRank
         check_root(root, self.group)
-        work = pycoll.allreduce_async(tensor, op=op, group=self.group, name="torch.reduce")
+        work = pycoll.allreduce_async(tensor.contiguous(), op=op, group=self.group,
+                                      name="torch.reduce")
 
         def finish(results):
             if self.group.rank() == root:
@@ -266,9 +280,10 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         check_root(root, self.group)
+        dense = _dense(tensors)
         works = [pycoll.broadcast_async_(t, root=root, group=self.group, name="torch.broadcast")
-                 for t in tensors]
-        return self._complete(works, lambda _: list(tensors), "torch.broadcast")
+                 for t in dense]
+        return self._complete(works, lambda _: _write_back(tensors, dense), "torch.broadcast")
 
     def allgather(self, output_lists, inputs, opts=None):
         outputs, tensor = _one_tensor(output_lists, "allgather"), _one_tensor(inputs, "allgather")

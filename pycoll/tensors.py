@@ -73,6 +73,16 @@ def _check_dtype(name: str, x) -> str:
     return name
 
 
+def _numpy_dtype(dtype: np.dtype, x) -> str:
+    """pycoll's name of numpy ``dtype`` (of ``x``), in this machine's byte order only: MPI
+    would reduce the bytes of swapped numbers as if they were not."""
+    if not dtype.isnative:
+        raise TypeError(f"pycoll needs numbers in this machine's byte order, got dtype "
+                        f"{dtype.str} (of a {_describe(x)}); pass "
+                        f"x.astype(x.dtype.newbyteorder('='))")
+    return _check_dtype(dtype.name, x)
+
+
 def _contiguous(shape, strides) -> bool:
     """C-contiguous? ``strides`` in elements; extents of 1 may have any stride."""
     if 0 in shape:
@@ -95,7 +105,7 @@ def _from_numpy(a: np.ndarray) -> Buffer:
     found = _C.host_buffer(a, _NUMPY_DTYPES, Buffer)     # in one compiled call, as most are
     if found is not None:
         return found
-    name = _NUMPY_DTYPES.get(a.dtype) or _check_dtype(a.dtype.name, a)
+    name = _NUMPY_DTYPES.get(a.dtype) or _numpy_dtype(a.dtype, a)
     found = _C.address(a)
     if found is None:                   # not C-contiguous, or a dtype PEP 3118 cannot name
         if not a.flags.c_contiguous:
@@ -168,7 +178,7 @@ def _from_cuda_array_interface(x) -> Buffer:
     cai = x.__cuda_array_interface__
     shape = tuple(cai["shape"])
     dtype = np.dtype(cai["typestr"])
-    name = _check_dtype("bfloat16" if dtype.name == "bfloat16" else dtype.name, x)
+    name = _numpy_dtype(dtype, x)
     strides = cai.get("strides")
     if strides is not None and not _contiguous(shape, [s / dtype.itemsize for s in strides]):
         raise _not_contiguous(x)

@@ -76,6 +76,14 @@ def test_unsupported_dtype_names_the_supported_ones(x):
         as_buffer(x)
 
 
+@pytest.mark.parametrize("x", [np.ones(3, ">f4"), np.ones(3, ">i8"),
+                               fakegpu.FakeCudaArray(np.ones(3, ">f8"))])
+def test_swapped_byte_order_is_refused(x):
+    """MPI would add the bytes of big-endian floats as little-endian ones: a wrong sum."""
+    with pytest.raises(TypeError, match="this machine's byte order.*newbyteorder"):
+        as_buffer(x)
+
+
 @pytest.mark.parametrize("x", [np.array([True, False, True]),
                                torch.tensor([True, False, True]),
                                fakegpu.FakeCudaArray(np.array([True, False, True]))])

@@ -23,9 +23,9 @@ class Work:
 
     ``wait(timeout)`` returns its result or raises its error; ``is_completed()`` and
     ``exception()`` never block. Each of them first calls ``on_wait`` (the engine's
-    flush: an operation whose result is asked for must be on its way); ``wait`` passes
-    it the event it is about to wait for, which the engine may set by running the
-    operation in the waiting thread. ``_done`` may be shared with the Works that finish
+    flush: an operation whose result is asked for must be on its way); ``wait`` without
+    a timeout passes it the event it is about to wait for, which the engine may set by
+    running the operation in the waiting thread. ``_done`` may be shared with the Works that finish
     together, and replaced while unset when the engine moves this Work to a later batch.
     """
 
@@ -65,7 +65,7 @@ class Work:
             if self._error is not None:
                 raise self._error
             return self._result
-        self._on_wait(done)
+        self._on_wait(done if timeout is None else None)    # a caller's deadline must hold
         timeout = config.get("timeout") if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:

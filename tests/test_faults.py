@@ -218,6 +218,39 @@ def test_send_recv_timeout_breaks_point_to_point_only(tmp_path):
     assert "rank 0 allreduce 2" in text and "rank 1 allreduce 2" in text
 
 
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_torch_groups_timeout_is_pycolls_and_waits_hold_their_deadline(tmp_path, check):
+    """init_process_group(timeout=20 s) over PYCOLL_TIMEOUT=2: rank 0 works for 8 s while
+    the other waits in a barrier, as gloo lets it (pycoll's checks used to end the job at
+    2 s, its watchdog at 7); and an async allreduce's wait(timeout) raises on time even where the
+    engine would run a waited-for operation in the caller's thread."""
+    code, text = job(tmp_path, """
+        import datetime, torch, torch.distributed as dist
+        import pycoll.torch, pycoll.torch.api
+        pycoll.torch.api.overlap_pays = lambda tensor: True     # the engine's path
+        dist.init_process_group("pycoll", timeout=datetime.timedelta(seconds=20))
+        start = time.monotonic()
+        if rank == 0:
+            time.sleep(8)                       # rank 0 evaluates
+        dist.barrier()
+        print(f"rank {rank} passed the barrier at {time.monotonic() - start:.0f} s", flush=True)
+        if rank == 1:
+            time.sleep(3)
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        start = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=1))
+        except pycoll.CollectiveTimeout:
+            print(f"rank {rank} timed out after {time.monotonic() - start:.0f} s", flush=True)
+            work.wait()
+        print(f"rank {rank} done", flush=True)
+    """, ranks=2, PYCOLL_CHECK=check, PYCOLL_TIMEOUT="2")
+    assert code == 0, text
+    for r in (0, 1):
+        assert f"rank {r} passed the barrier at 8 s" in text and f"rank {r} done" in text
+    assert "rank 0 timed out after 1 s" in text
+
+
 def test_group_generator_names_a_worker_that_never_leaves(tmp_path):
     code, text = job(tmp_path, """
         from pycoll.decentral import GroupGenerator

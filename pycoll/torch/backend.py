@@ -550,7 +550,12 @@ def _create(options, backend_options=None) -> ProcessGroupPycoll:
             f"torch.distributed's rank {options.group_rank} in ranks {ranks} is not pycoll's "
             f"(rank {group.rank()} in {list(group.ranks)}); leave RANK and WORLD_SIZE to "
             "pycoll under pycollrun, or set them to the MPI rank and size")
-    return ProcessGroupPycoll(group, _group_timeout(getattr(options, "timeout", None)))
+    timeout = _group_timeout(getattr(options, "timeout", None))
+    if timeout is not None and timeout > pycoll.config.get("timeout"):
+        # pycoll's own limits (the watchdog, the checks, blocking calls) must not end the
+        # job before the group's: rank 0 may evaluate for minutes while the others wait.
+        pycoll.config.configure(timeout=timeout)
+    return ProcessGroupPycoll(group, timeout)
 
 
 def _group_timeout(timeout) -> Optional[float]:

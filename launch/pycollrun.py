@@ -76,24 +76,26 @@ def local_slots() -> int:
     return os.cpu_count() or 1
 
 
+def hostfile_lines(hostfile):
+    """The words of each host line of a hostfile (comments and blank lines left out)."""
+    with open(hostfile) as f:
+        return [words for words in (line.split("#")[0].split() for line in f) if words]
+
+
 def host_slots(hosts=None, hostfile=None):
     """Total slots of `-H h:n,...` (a host without :n is 1 slot, as in Open MPI) or of a
     hostfile (`h slots=n` or `h:n`); None when some host's slots are unknown."""
     if hosts:
         return sum(int(h.rpartition(":")[2]) if ":" in h else 1 for h in hosts.split(","))
     total = 0
-    with open(hostfile) as f:
-        for line in f:
-            words = line.split("#")[0].split()
-            if not words:
-                continue
-            slots = [w.split("=")[1] for w in words[1:] if w.startswith(("slots=", "max_slots="))]
-            if slots:
-                total += int(slots[0])
-            elif ":" in words[0]:
-                total += int(words[0].rpartition(":")[2])
-            else:
-                return None
+    for words in hostfile_lines(hostfile):
+        slots = [w.split("=")[1] for w in words[1:] if w.startswith(("slots=", "max_slots="))]
+        if slots:
+            total += int(slots[0])
+        elif ":" in words[0]:
+            total += int(words[0].rpartition(":")[2])
+        else:
+            return None
     return total
 
 
@@ -103,8 +105,7 @@ def first_host(hosts=None, hostfile=None):
     if hosts:
         first = hosts.split(",")[0]
     elif hostfile:
-        with open(hostfile) as f:
-            first = next((words[0] for words in (line.split("#")[0].split() for line in f) if words), None)
+        first = next((words[0] for words in hostfile_lines(hostfile)), None)
     else:
         return None
     return first and (first.rpartition(":")[0] or first)

@@ -27,7 +27,7 @@ _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product:
             BitwiseAnd: MPI.BAND, BitwiseOr: MPI.BOR, BitwiseXor: MPI.BXOR}
 # bool travels as bytes of 0 or 1, where Max is logical or and Min logical and (MPI's own
 # bool type takes only MPI's logical ops); _C.reduce's bool arithmetic gives the same.
-_BOOL_OPS = dict(_MPI_OPS, **{Sum: MPI.MAX, Product: MPI.MIN})
+_BOOL_OPS = {**_MPI_OPS, Sum: MPI.MAX, Product: MPI.MIN}
 # float16 and bfloat16 travel as 16-bit words; MPI cannot reduce them, _C.reduce can.
 _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.FLOAT,
               "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,

@@ -25,8 +25,9 @@ class Work:
     ``exception()`` never block. Each of them first calls ``on_wait`` (the engine's
     flush: an operation whose result is asked for must be on its way); ``wait`` without
     a timeout passes it the event it is about to wait for, which the engine may set by
-    running the operation in the waiting thread. ``_done`` may be shared with the Works that finish
-    together, and replaced while unset when the engine moves this Work to a later batch.
+    running the operation in the waiting thread. ``_done`` may be shared with the Works
+    that finish together, and replaced while unset when the engine moves this Work to a
+    later batch.
     """
 
     __slots__ = ("name", "_on_wait", "_done", "_result", "_error", "__dict__")

@@ -13,6 +13,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import pycoll  # noqa: E402
 import pycoll.torch as hvd  # noqa: E402
+import test_sync_batch_norm  # noqa: E402
 import test_torch_api  # noqa: E402
 import test_torch_backend  # noqa: E402
 from test_collectives import OPS, assert_matches, expected_reduce, rank_input  # noqa: E402
@@ -132,6 +133,12 @@ def test_distributed_optimizer_matches_one_process(overlap, monkeypatch):
     expected = test_torch_api._train(
         reference, torch.optim.SGD(reference.parameters(), lr=0.3, momentum=0.9), xs, ys, 0, 1)
     torch.testing.assert_close(flat, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bn_class, shape", [(torch.nn.BatchNorm1d, (4,)),
+                                             (torch.nn.BatchNorm2d, (3, 2, 5))])
+def test_sync_batch_norm_matches_one_batchnorm(bn_class, shape):
+    test_sync_batch_norm.check_against_batchnorm(bn_class, shape, True, "cuda")
 
 
 def test_ddp_on_the_pycoll_backend(gpu):

@@ -30,5 +30,6 @@ from .api import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, 
 from .backend import ProcessGroupPycoll, register as _register
 from .compression import Compression
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 _register()

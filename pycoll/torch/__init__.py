@@ -27,6 +27,7 @@ from .api import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, 
                   reducescatter, reducescatter_async, remove_process_set, rocm_built,
                   shutdown, size, sparse_allreduce_async, start_timeline, stop_timeline,
                   synchronize)
+from . import elastic
 from .backend import ProcessGroupPycoll, register as _register
 from .compression import Compression
 from .optimizer import DistributedOptimizer

@@ -36,7 +36,8 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic interrupt; pycoll has no elastic mode, so it is never raised."""
+    """Horovod's elastic interrupt; a pycoll job's ranks are fixed (``pycoll.torch.elastic``),
+    so it is never raised."""
 
     def __init__(self, skip_sync=False):
         super().__init__("hosts updated")

@@ -186,7 +186,7 @@ struct Functions {
     PyObject* counts_dtype = nullptr; // numpy's int64 dtype
     PyObject* failed = nullptr;       // failed(kind, x, out, group, name, headers): raises what exchange() found wrong
     PyObject* views = nullptr;        // views(x, nbytes, runs) -> (views, address): a new buffer cut into runs of views
-    PyObject* staging = nullptr;      // staging(nbytes): the engine's fusion buffer, for its token's holder
+    PyObject* staging = nullptr;      // staging(group, nbytes): the group's engine's fusion buffer, for its token's holder
     Py_ssize_t alone_bytes = 0;       // a grouped tensor this large goes by itself (the general path then)
     Py_ssize_t cached_piece = 0;      // pieces packed and unpacked are at most this long per peer (in cache)
     PyObject* mpi_error = nullptr;    // mpi4py.MPI.Exception
@@ -215,7 +215,7 @@ struct World {
 unsigned long long runs = 0;
 
 struct Names {
-    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *ndim, *handle, *ranks, *carry, *new_empty;
+    PyObject *is_cpu, *is_contiguous, *data_ptr, *nbytes, *dtype, *shape, *ndim, *handle, *ranks, *carry, *gate, *new_empty;
     PyObject *allreduce, *broadcast, *reduce_scatter, *allgather, *alltoall, *grouped_allreduce;
     PyObject *cpu, *zero;  // Buffer's "cpu" and 0
 } s;
@@ -447,6 +447,7 @@ struct Target {
     intptr_t comm = 0;
     Py_ssize_t size = 0;
     int64_t* carry = nullptr;
+    PyObject* gate = nullptr;  // the group's engine's Gate (the group keeps it)
 };
 
 // The collectives that agree on sizes with their data (exchange()), indexing a group's `carry`.
@@ -472,20 +473,25 @@ GroupParts last_group;
 // group= as the caller passed it; false with an error.
 bool target_of(PyObject* group, Target& out) {
     if (group == Py_None) {
-        out = {world.comm, world.size, world.carry};
+        out = {world.comm, world.size, world.carry, reinterpret_cast<PyObject*>(world.gate)};
         return true;
     }
     Ref grp(PyObject_CallOneArg(fn.resolve, group));  // raises for what cannot be used
     if (!grp) return false;
     if (grp.get() != last_group.group) {
-        Ref handle(PyObject_GetAttr(grp.get(), s.handle)), ranks(PyObject_GetAttr(grp.get(), s.ranks));
+        Ref handle(PyObject_GetAttr(grp.get(), s.handle)), ranks(PyObject_GetAttr(grp.get(), s.ranks)),
+            gate(PyObject_GetAttr(grp.get(), s.gate));
         intptr_t comm;
-        if (!handle || !ranks || !as_ptr(handle.get(), comm)) return false;
+        if (!handle || !ranks || !gate || !as_ptr(handle.get(), comm)) return false;
+        if (!PyObject_TypeCheck(gate.get(), &gate_type)) {
+            PyErr_SetString(PyExc_TypeError, "a group's gate must be its engine's Gate");
+            return false;
+        }
         const Py_ssize_t size = PyObject_Length(ranks.get());
         int64_t* carry;
         if (size < 0 || !carry_of(grp.get(), carry)) return false;
         Py_XSETREF(last_group.group, Py_NewRef(grp.get()));
-        last_group.target = {comm, size, carry};
+        last_group.target = {comm, size, carry, gate.get()};  // the group keeps its gate
     }
     out = last_group.target;  // copied: another thread may change the cache meanwhile
     return true;
@@ -691,7 +697,9 @@ bool Paced::begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
 
 bool Paced::end() { return !entry_ || pacing::leave(entry_.get()); }
 
-Token::Token(PyObject* name, PyObject* kind) : gate_(reinterpret_cast<PyObject*>(world.gate)) {
+Token::Token(PyObject* name, PyObject* kind) : Token(name, kind, reinterpret_cast<PyObject*>(world.gate)) {}
+
+Token::Token(PyObject* name, PyObject* kind, PyObject* gate) : gate_(gate) {
     Py_XINCREF(gate_);
     held_ = gate_ && claim(reinterpret_cast<Gate*>(gate_), name == Py_None ? kind : name);
 }
@@ -710,7 +718,7 @@ bool init(PyObject* module) {
     struct { PyObject** slot; const char* text; } all[] = {
         {&s.is_cpu, "is_cpu"}, {&s.is_contiguous, "is_contiguous"}, {&s.data_ptr, "data_ptr"},
         {&s.nbytes, "nbytes"}, {&s.dtype, "dtype"}, {&s.shape, "shape"}, {&s.handle, "handle"},
-        {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
+        {&s.ranks, "ranks"}, {&s.carry, "carry"}, {&s.gate, "gate"}, {&s.new_empty, "new_empty"}, {&s.allreduce, "allreduce"}, {&s.broadcast, "broadcast"},
         {&s.reduce_scatter, "reduce_scatter"}, {&s.allgather, "allgather"}, {&s.alltoall, "alltoall"},
         {&s.grouped_allreduce, "grouped_allreduce"}, {&s.cpu, "cpu"}, {&s.ndim, "ndim"},
     };
@@ -826,7 +834,7 @@ PyObject* allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         out.reset(shape ? new_like(x, shape.get(), in.nbytes, result) : nullptr);
         if (!out) return nullptr;
     }
-    Token token(name, s.allreduce);
+    Token token(name, s.allreduce, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
     if (!paced.begin(s.allreduce, group, in.nbytes)) return nullptr;
     const void* send = inplace ? reinterpret_cast<const void*>(fn.in_place) : in.ptr;
@@ -868,7 +876,7 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (!out) return PyErr_Occurred() ? nullptr : none();  // 0-d: the general path
         if (root_here) std::memcpy(result.ptr, in.ptr, static_cast<size_t>(in.nbytes));
     }
-    Token token(name, s.broadcast);
+    Token token(name, s.broadcast, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!paced.begin(s.broadcast, group, in.nbytes)) return nullptr;
     void* data = result.ptr;
@@ -907,7 +915,7 @@ PyObject* reduce_scatter_now(PyObject*, PyObject* const* args, Py_ssize_t nargs)
         if (int read = read_out(given, a.in.dtype.get(), result)) return left(read);
     // What the general path sends too: its largest part, signature, out='s size, rows.
     const std::vector<int64_t> header = {parts[0], reduce_signature(a), given == Py_None ? -1 : result.nbytes, a.rows};
-    Token token(name, s.reduce_scatter);
+    Token token(name, s.reduce_scatter, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!paced.begin(s.reduce_scatter, group, a.in.nbytes)) return nullptr;
     Carried c;
@@ -963,7 +971,7 @@ PyObject* allgather_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     const std::vector<int64_t> header = {
         a.in.nbytes, static_cast<int64_t>(signature(a.route->name, a.dims.data() + rest, a.dims.size() - rest)),
         given == Py_None ? -1 : result.nbytes, a.rows};
-    Token token(name, s.allgather);
+    Token token(name, s.allgather, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!paced.begin(s.allgather, group, a.in.nbytes)) return nullptr;
     Carried c;
@@ -1060,7 +1068,7 @@ PyObject* alltoall_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Ref received(new_counts(t.size, got));
     if (!received) return nullptr;
     auto* recv_splits = static_cast<int64_t*>(got.ptr);
-    Token token(name, s.alltoall);
+    Token token(name, s.alltoall, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!paced.begin(s.alltoall, group, a.in.nbytes)) return nullptr;
     Carried c;
@@ -1307,7 +1315,7 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
         outs.reset(Py_NewRef(views));
     }
     if (!outs) return nullptr;
-    Token token(name, s.grouped_allreduce);
+    Token token(name, s.grouped_allreduce, t.gate);
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();
     if (!paced.begin(s.allreduce, group, static_cast<Py_ssize_t>(m.total))) return nullptr;
     // collectives._reduce_staged's pieces, packed into the staging buffer unless the
@@ -1327,9 +1335,9 @@ PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nar
     Ref buffer;
     if (!contiguous) {
         Host h;
-        buffer.reset(PyObject_CallFunction(fn.staging, "n", static_cast<Py_ssize_t>(std::min(step, total))));
+        buffer.reset(PyObject_CallFunction(fn.staging, "On", group, static_cast<Py_ssize_t>(std::min(step, total))));
         if (!buffer || read_host(buffer.get(), true, h) != 0) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "staging(n) must give a writable host buffer");
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "staging(group, n) must give a writable host buffer");
             return nullptr;
         }
         staging = static_cast<char*>(h.ptr);

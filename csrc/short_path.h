@@ -105,12 +105,13 @@ class Paced {
     double issued_ = 0.0;
 };
 
-// The engine's token for one compiled call (this path's and partial_now's), given back when
+// An engine's token for one compiled call (this path's and partial_now's), given back when
 // it goes out of scope (an error already raised stays raised). Not held while work issued
 // earlier is queued or running (that runs first), nor with no Gate bound.
 class Token {
    public:
-    Token(PyObject* name, PyObject* kind);  // name, or kind where name is None, shows as running
+    Token(PyObject* name, PyObject* kind);  // name, or kind where name is None, shows as running: the world's
+    Token(PyObject* name, PyObject* kind, PyObject* gate);  // a group's engine's Gate (borrowed)
     Token(const Token&) = delete;
     Token& operator=(const Token&) = delete;
     ~Token();

@@ -245,7 +245,7 @@ def _reduce_staged(many: _Many, which: List[int]) -> None:
         sizes = [many.sizes[i] for i in which]
     dtype, grp, itemsize = many.dtype, many.grp, ITEMSIZE[many.dtype]
     scale = 1.0 / grp.size() if many.op is Average else 1.0
-    reduction, engine, chunk = mpi_op(many.op, dtype), runtime.engine(), config.get("chunk_bytes")
+    reduction, engine, chunk = mpi_op(many.op, dtype), grp.engine, config.get("chunk_bytes")
     if many.device != "cpu":
         _reduce_from_gpu(many, srcs, dsts, sizes, _pieces(sum(sizes), itemsize, chunk),
                          reduction, scale)
@@ -278,7 +278,7 @@ def _reduce_from_gpu(many: _Many, srcs, dsts, sizes, pieces, reduction, scale: f
     stage, dtype = tensors.stager(many.device_id), many.dtype
     scale_on_gpu = scale != 1.0 and stage.scales     # else on the host, before the copy back
     room = max(nbytes for _, nbytes in pieces)
-    halves = runtime.engine().fusion_buffer(2 * room, device=many.device_id).ctypes.data
+    halves = many.grp.engine.fusion_buffer(2 * room, device=many.device_id).ctypes.data
     at_piece = [halves + k % 2 * room for k in range(len(pieces))]
 
     def fetch(k: int):
@@ -399,7 +399,7 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
         def run_host():
             _allreduce_many(many)
             return list(outs)
-        return name, run_host
+        return grp, name, run_host
     items = [_planned_item(x, op, grp, f"{name}[{i}]", inplace) for i, x in enumerate(xs)]
     _same_kind([it.src for it in items])
     by_dtype: dict = {}
@@ -410,7 +410,7 @@ def _plan_grouped_allreduce(xs, op, group, name, inplace):
         for same in by_dtype.values():
             _allreduce_many(_Many.of(same))
         return [item.out for item in items]
-    return name, run
+    return grp, name, run
 
 
 # allgather, alltoall and reduce_scatter send every rank's sizes with their data, in one
@@ -466,7 +466,7 @@ def _plan_allgather(x, group, name, out=None):
                                         [MPI.buffer.fromaddress(d, dst.nbytes), counts,
                                          _displacements(counts), MPI.BYTE])
         return result
-    return name, emulation.timed("allgather", grp.comm, src.nbytes, run)
+    return grp, name, emulation.timed("allgather", grp.comm, src.nbytes, run)
 
 
 def _allgather_counts(name: str, grp: runtime.Group, src: Buffer, headers) -> List[int]:
@@ -557,7 +557,7 @@ def _plan_broadcast(x, root, group, name, inplace):
             for offset, nbytes in _pieces(dst.nbytes, ITEMSIZE[dst.dtype]):
                 grp.comm.Bcast(message(d + offset, nbytes, dst.dtype), root=root)
         return out
-    return name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
+    return grp, name, emulation.timed("broadcast", grp.comm, dst.nbytes, run)
 
 
 def _split_rows(rows: int, parts: int) -> List[int]:
@@ -609,7 +609,7 @@ def _plan_reduce_scatter(x, op, group, name, out=None):
                 if op is Average:
                     _scale(dst, d, dst.count, 1.0 / grp.size())
         return result
-    return name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
+    return grp, name, emulation.timed("reduce_scatter", grp.comm, src.nbytes, run)
 
 
 def _reduce_scatter_agreed(name: str, grp: runtime.Group, src: Buffer, headers) -> None:
@@ -681,7 +681,7 @@ def _plan_alltoall(x, splits, group, name, out=None):
                         [MPI.buffer.fromaddress(d, dst.nbytes), recv_counts,
                          _displacements(recv_counts), MPI.BYTE])
         return result, recv_splits
-    return name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
+    return grp, name, emulation.timed("alltoall", grp.comm, src.nbytes, run)
 
 
 def _alltoall_received(name: str, grp: runtime.Group, src: Buffer, headers) -> List[int]:
@@ -713,7 +713,7 @@ def _plan_barrier(group, name):
         grp.agree("barrier", name)
         with timeline.phase("in MPI"):
             grp.comm.Barrier()
-    return name, emulation.timed("barrier", grp.comm, 0, run)
+    return grp, name, emulation.timed("barrier", grp.comm, 0, run)
 
 
 # The blocking collectives' short path, in C (csrc/short_path.cpp): contiguous host
@@ -726,7 +726,7 @@ _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_s
                     huge_paged=tensors.HUGE_PAGED,
                     empty=np.empty, counts_dtype=np.dtype(np.int64),
                     failed=_disagreed, views=tensors.views_like,
-                    staging=lambda nbytes: runtime.engine().fusion_buffer(nbytes),
+                    staging=lambda group, nbytes: runtime.resolve(group).engine.fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, cached_piece=_CACHED_PIECE,
                     mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
@@ -747,13 +747,13 @@ config.watch(lambda: _C.short_path_settings(not config.get("check") and not time
 # ---------------------------------------------------------------- public API
 
 def _run(plan) -> object:
-    name, thunk = plan
-    return runtime.engine().run(thunk, name)
+    grp, name, thunk = plan
+    return grp.engine.run(thunk, name)
 
 
 def _submit(plan) -> Work:
-    name, thunk = plan
-    return runtime.engine().submit(thunk, name)
+    grp, name, thunk = plan
+    return grp.engine.submit(thunk, name)
 
 
 def _submit_allreduce(x, op, group, name, inplace) -> Work:
@@ -762,7 +762,7 @@ def _submit_allreduce(x, op, group, name, inplace) -> Work:
     op, grp, name = reduce_op(op), runtime.resolve(group), name or "allreduce"
     item = _planned_item(x, op, grp, name, inplace)
     src = item[0]           # item.src: a NamedTuple's field by name costs more
-    return runtime.engine().submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
+    return grp.engine.submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
                                            _allreduce_queued, name)
 
 
@@ -773,7 +773,7 @@ def allreduce(x, op=Average, group=None, name: Optional[str] = None):
         return out
     emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=False)
-    return runtime.engine().run(lambda: _allreduce_one(item), item.name)
+    return item.grp.engine.run(lambda: _allreduce_one(item), item.name)
 
 
 def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
@@ -782,7 +782,7 @@ def allreduce_(x, op=Average, group=None, name: Optional[str] = None):
         return x
     emulation.called()
     item = _allreduce_item(x, op, group, name, inplace=True)
-    return runtime.engine().run(lambda: _allreduce_one(item), item.name)
+    return item.grp.engine.run(lambda: _allreduce_one(item), item.name)
 
 
 def allreduce_async(x, op=Average, group=None, name: Optional[str] = None) -> Work:
@@ -795,8 +795,10 @@ def allreduce_async_(x, op=Average, group=None, name: Optional[str] = None) -> W
 
 
 def flush() -> None:
-    """Start the pending fused batch now instead of when a result is waited for."""
-    runtime.engine().flush()
+    """Start the pending fused batches (of every group) now instead of when a result is
+    waited for."""
+    for engine in runtime.engines():
+        engine.flush()
 
 
 def grouped_allreduce(xs, op=Average, group=None, name: Optional[str] = None) -> list:

@@ -12,6 +12,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable, List, Optional
 
 import numpy as np
@@ -42,7 +43,9 @@ class _Batch:
 
 
 class Engine:
-    """Runs one process's collectives one at a time, in issue order.
+    """Runs one communicator's collectives one at a time, in issue order (each group has
+    its own engine, so collectives on different groups, issued from different threads,
+    run side by side, as MPI and gloo allow).
 
     Ordering rule: operations run in the order in which they were issued in this
     process, whatever thread issued them; fused operations run together at the
@@ -66,7 +69,8 @@ class Engine:
         # (a blocking call, or the compiled short path) when nothing is pending. A claim
         # costs no lock round trip. ``pending`` mirrors _ready and _open (_sync, under _lock).
         self.gate = _C.Gate(self._notify)
-        threading.Thread(target=self._watch, name="pycoll-watchdog", daemon=True).start()
+        _watched.add(self)
+        _watchdog()
         self._ready: collections.deque = collections.deque()
         self._open: Optional[_Batch] = None       # fusable batch still taking items
         self._thread: Optional[threading.Thread] = None     # the engine's, once started
@@ -221,28 +225,25 @@ class Engine:
         self._close_open()
         return None
 
-    def _watch(self) -> None:
-        """The stall inspector of last resort: a blocking MPI call cannot time out, so a
-        rank stuck in one past PYCOLL_TIMEOUT ends the job with a message, not a hang."""
-        warned = None
-        while True:
-            time.sleep(1.0)
-            running = self.gate.running()
-            if running is None:
-                continue
-            name, start = running
-            waited = time.monotonic() - start
-            if waited > config.get("stall_warning_s") and warned != running:
-                warned = running
-                logging.getLogger("pycoll").warning(
-                    "pycoll: %s has run for %.0f s; a rank may have skipped it or died "
-                    "(PYCOLL_CHECK=1 names the ranks)", name, waited)
-            if waited > config.get("timeout") + 5.0:
-                self._on_stuck(f"pycoll: {name} has not completed after {waited:.0f} s "
-                               "(PYCOLL_TIMEOUT); a rank skipped it, is stuck elsewhere or "
-                               "died. Ending the job; rerun with PYCOLL_CHECK=1 to name the "
-                               "ranks.")
-                return
+    def _overdue(self, warned: dict) -> None:
+        """Warn of an operation running past PYCOLL_STALL_WARNING_S; end the job past
+        PYCOLL_TIMEOUT (``warned``: what was warned of, by engine)."""
+        running = self.gate.running()
+        if running is None:
+            return
+        name, start = running
+        waited = time.monotonic() - start
+        if waited > config.get("stall_warning_s") and warned.get(self) != running:
+            warned[self] = running
+            logging.getLogger("pycoll").warning(
+                "pycoll: %s has run for %.0f s; a rank may have skipped it or died "
+                "(PYCOLL_CHECK=1 names the ranks)", name, waited)
+        if waited > config.get("timeout") + 5.0:
+            _watched.discard(self)
+            self._on_stuck(f"pycoll: {name} has not completed after {waited:.0f} s "
+                           "(PYCOLL_TIMEOUT); a rank skipped it, is stuck elsewhere or "
+                           "died. Ending the job; rerun with PYCOLL_CHECK=1 to name the "
+                           "ranks.")
 
     def _loop(self) -> None:
         while True:
@@ -281,3 +282,27 @@ class Engine:
             with self._lock:
                 self.gate.release()
                 self._cv.notify_all()
+
+
+# The stall inspector of last resort, one thread for every engine: a blocking MPI call
+# cannot time out, so a rank stuck in one past PYCOLL_TIMEOUT ends the job with a message,
+# not a hang.
+_watched: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_watching = threading.Lock()
+_watcher: Optional[threading.Thread] = None
+
+
+def _watchdog() -> None:
+    global _watcher
+    with _watching:
+        if _watcher is None:
+            _watcher = threading.Thread(target=_watch, name="pycoll-watchdog", daemon=True)
+            _watcher.start()
+
+
+def _watch() -> None:
+    warned = weakref.WeakKeyDictionary()
+    while True:
+        time.sleep(1.0)
+        for engine in list(_watched):
+            engine._overdue(warned)

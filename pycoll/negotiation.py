@@ -296,7 +296,7 @@ class Negotiator:
 
     def __init__(self, group: runtime.Group):
         self.group = group
-        self.comm = runtime.engine().run(group.comm.Dup, "negotiation setup")
+        self.comm = group.engine.run(group.comm.Dup, "negotiation setup")
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.cache = _Cache()
         self._coordinator = _Coordinator(self.cache, group.ranks) if self.rank == 0 else None
@@ -371,7 +371,7 @@ class Negotiator:
             self._thread.join(timeout)
         self._fail_all(ValueError(f"pycoll: negotiation on {self.group} was shut down"))
         if not self.group.freed and (self._thread is None or not self._thread.is_alive()):
-            runtime.engine().run(self.comm.Free, "negotiation shutdown")
+            self.group.engine.run(self.comm.Free, "negotiation shutdown")
 
     # ------------------------------------------------------------ the controller
     def _loop(self) -> None:
@@ -489,7 +489,7 @@ class Negotiator:
         if run:
             # Under the engine's lock, so that no other thread's wait cuts the engine's
             # open batch while they go in: batches are then cut alike on every rank.
-            engine = runtime.engine()
+            engine = self.group.engine
             with engine._lock:
                 for ticket, response in run:
                     ticket._begin(response)

@@ -1,4 +1,4 @@
-"""Process state: the world communicator, groups of ranks and the engine."""
+"""Process state: the world communicator, groups of ranks and their engines."""
 import atexit
 import logging
 import os
@@ -17,11 +17,15 @@ class Group:
 
     ``ranks`` are ranks of the communicator pycoll was initialized with, in group order.
     On a rank outside the group ``comm`` is None and collectives refuse the group.
+    Its ``engine`` runs its collectives in issue order (MPI's order on a communicator);
+    ``gate`` is that engine's, which the compiled short path claims.
     """
 
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
+        self.engine = Engine(on_stuck=_abort) if comm is not None else None
+        self.gate = self.engine.gate if comm is not None else None
         self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
         # allgather's, alltoall's and reduce_scatter's capacity for data sent with their
@@ -102,7 +106,7 @@ def init(comm=None, **options) -> None:
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
-    _state.engine = Engine(on_stuck=_abort)
+    _state.engine = _state.world.engine
     _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size(), _state.world)
     atexit.register(_finish_queued)
     log = logging.getLogger("pycoll")
@@ -111,16 +115,28 @@ def init(comm=None, **options) -> None:
              _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
 
 
+def _groups() -> list:
+    """Every group this process may run collectives on: the world first."""
+    if _state.world is None:
+        return []
+    return [_state.world, *_state.user_groups.values(), *_state.new_groups]
+
+
+def engines() -> list:
+    """The engines of every group this process is a member of."""
+    return [group.engine for group in _groups() if group.engine is not None]
+
+
 def _finish_queued() -> None:
     """At exit, before MPI is finalized (mpi4py's handler runs after this one): let queued
-    collectives finish and stop the engine's thread. Finalizing under a thread still
+    collectives finish and stop the engines' threads. Finalizing under a thread still
     inside MPI is undefined, so a rank whose collectives do not finish within
     PYCOLL_TIMEOUT ends the job instead."""
-    engine = _state.engine
-    if engine is not None and not engine.stop(timeout=config.get("timeout")):
-        _abort(f"pycoll: {engine.running() or 'a collective'} was still running at exit "
-               f"after PYCOLL_TIMEOUT ({config.get('timeout'):g} s): a rank skipped it or died; "
-               "ending the job rather than finalizing MPI under it")
+    for engine in engines():
+        if not engine.stop(timeout=config.get("timeout")):
+            _abort(f"pycoll: {engine.running() or 'a collective'} was still running at exit "
+                   f"after PYCOLL_TIMEOUT ({config.get('timeout'):g} s): a rank skipped it or "
+                   "died; ending the job rather than finalizing MPI under it")
 
 
 def _abort(message: str) -> None:
@@ -134,7 +150,9 @@ def shutdown() -> None:
     """Release pycoll's communicators; ``init`` may be called again afterwards."""
     if _state.world is None:
         return
-    _state.engine.run(lambda: None, "shutdown")       # drain what is queued
+    live = engines()
+    for engine in live:
+        engine.run(lambda: None, "shutdown")         # drain what is queued
     _C.short_path_bind(None)
     _C.partial_bind(None)               # pycoll.partial's compiled entry: its comm is freed here
     _state.local_comm.Free()
@@ -144,6 +162,8 @@ def shutdown() -> None:
         group.free(comm=False)          # the communicator is the user's
     for group in list(_state.new_groups):
         group.free()
+    for engine in live:
+        engine.stop(timeout=config.get("timeout"))
     _state.world = _state.local_comm = _state.engine = _state.p2p_comm = None
     _state.user_groups.clear()
 
@@ -159,6 +179,7 @@ def world() -> Group:
 
 
 def engine() -> Engine:
+    """The world group's engine."""
     return _state.engine or world() and _state.engine   # world() raises if uninitialized
 
 

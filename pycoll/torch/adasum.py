@@ -20,7 +20,6 @@ from typing import List
 import torch
 
 import pycoll
-from pycoll import runtime
 
 _DBL_MIN_SQRT = 2.2250738585072014e-308 ** 0.5
 _TAG = 0x5ADA       # point-to-point on the group's communicator, inside the engine's order
@@ -75,4 +74,4 @@ def reduce_(tensors: List[torch.Tensor], comm) -> List[torch.Tensor]:
 def allreduce_async_(tensors: List[torch.Tensor], group: pycoll.Group, name: str):
     """Adasum of ``tensors`` in place, run by the engine in issue order; a Work whose
     result is the list."""
-    return runtime.engine().submit(lambda: reduce_(tensors, group.comm), name)
+    return group.engine.submit(lambda: reduce_(tensors, group.comm), name)

@@ -128,9 +128,9 @@ class PycollWork(dist.Work):
         return self._done.source
 
 
-def _completion(works: Sequence[pycoll.Work], finish: Callable[[list], object], name: str,
-                timeout: Optional[float] = None):
-    """Queue, behind ``works``, the step that runs ``finish(results)`` and has the future
+def _completion(group: pycoll.Group, works: Sequence[pycoll.Work],
+                finish: Callable[[list], object], name: str, timeout: Optional[float] = None):
+    """Queue on ``group``'s engine, behind ``works`` (its operations), the step that runs ``finish(results)`` and has the future
     completed with what it returns (the output tensors)."""
     future = torch.futures.Future()
 
@@ -142,7 +142,7 @@ def _completion(works: Sequence[pycoll.Work], finish: Callable[[list], object], 
             raise
         _callbacks.submit(future.set_result, value)
         return value
-    return PycollWork(future, runtime.engine().submit(step, name), timeout)
+    return PycollWork(future, group.engine.submit(step, name), timeout)
 
 
 def _completed(value) -> PycollWork:
@@ -194,12 +194,12 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._timeout = timeout or None           # seconds; None: PYCOLL_TIMEOUT
         # Made now, with the group, as every member does: made at the first send, it would
         # be a collective that the ranks not in that send never join.
-        self._p2p_comm = emulation.p2p(runtime.engine().run(group.comm.Dup, "torch.p2p_comm"))
+        self._p2p_comm = emulation.p2p(group.engine.run(group.comm.Dup, "torch.p2p_comm"))
         self._p2p_failure: Optional[BaseException] = None
         self._group_name = ""
 
     def _complete(self, works, finish, name) -> PycollWork:
-        return _completion(works, finish, name, self._timeout)
+        return _completion(self.group, works, finish, name, self._timeout)
 
     def getBackendName(self) -> str:
         return BACKEND

@@ -541,10 +541,10 @@ def _create(options, backend_options=None) -> ProcessGroupPycoll:
     if options.group_size != len(ranks):
         raise ValueError(f"torch.distributed asked for a group of {options.group_size} ranks "
                          f"but named {len(ranks)}: {ranks}")
-    if sorted(ranks) == list(range(world.size())) and ranks == sorted(ranks):
-        group = world
-    else:
-        group = pycoll.new_group(ranks)
+    # A communicator of its own even over every rank: torch's groups are independent (gloo
+    # gives each its own context), so two over the same ranks may run in different orders
+    # or threads, which one communicator would match across.
+    group = pycoll.new_group(ranks)
     if tuple(group.ranks) != tuple(ranks) or group.rank() != options.group_rank:
         raise ValueError(
             f"torch.distributed's rank {options.group_rank} in ranks {ranks} is not pycoll's "

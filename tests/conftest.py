@@ -24,6 +24,36 @@ def settings():
         yield lambda **knobs: stack.enter_context(config.overriding(**knobs))
 
 
+@pytest.fixture
+def in_opposite_orders():
+    """``in_opposite_orders(run)``: ``run(0)`` and ``run(1)`` (one group each) in two
+    threads, entered in opposite orders on neighbouring ranks; their results, once both
+    are done. Fails if either is still waiting after 60 s: the groups waited on each other."""
+    import threading
+    import time
+    from mpi4py import MPI
+
+    def both(run):
+        rank, results, errors = MPI.COMM_WORLD.Get_rank(), {}, []
+
+        def one(g):
+            try:
+                if (rank + g) % 2:
+                    time.sleep(0.2)         # the other group's collective goes in first here
+                results[g] = run(g)
+            except BaseException as error:
+                errors.append(error)
+        threads = [threading.Thread(target=one, args=(g,)) for g in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(t.is_alive() for t in threads), "the groups waited on each other"
+        assert not errors, errors
+        return results
+    return both
+
+
 @pytest.fixture(scope="session")
 def pycoll_world():
     import pycoll

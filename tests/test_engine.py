@@ -211,39 +211,27 @@ def test_many_threads_issue_and_wait(group):
     assert all(w.is_completed() and w.exception() is None for w in works.values())
 
 
-def test_groups_run_side_by_side_from_threads(pycoll_world):
+def test_groups_run_side_by_side_from_threads(pycoll_world, in_opposite_orders):
     """Collectives on two groups from two threads, entered in opposite orders on
     neighbouring ranks: each group keeps its own order, as MPI and gloo allow, so
     neither waits for the other (one engine for the process deadlocked here)."""
     rank, size = pycoll.rank(), pycoll.size()
     groups = [pycoll.new_group(range(size)) for _ in range(2)]
-    results, errors = {}, []
 
     def run(g):
-        try:
-            if (rank + g) % 2:
-                time.sleep(0.2)         # the other group's collective goes in first here
-            x = np.full(4, rank + 1.0)
-            for i in range(3):
-                pycoll.allreduce_(x, op=pycoll.Sum, group=groups[g])
-                x /= size
-            big = pycoll.allreduce(np.full(1 << 18, float(g)), op=pycoll.Sum, group=groups[g])
-            root = pycoll.broadcast(np.full(3, float(rank)), root=size - 1, group=groups[g])
-            gathered = pycoll.allgather(np.full(2, rank), group=groups[g])
-            results[g] = x[0], big[-1], root[0], gathered.tolist()
-        except BaseException as error:
-            errors.append(error)
+        x = np.full(4, rank + 1.0)
+        for _ in range(3):
+            pycoll.allreduce_(x, op=pycoll.Sum, group=groups[g])
+            x /= size
+        big = pycoll.allreduce(np.full(1 << 18, float(g)), op=pycoll.Sum, group=groups[g])
+        root = pycoll.broadcast(np.full(3, float(rank)), root=size - 1, group=groups[g])
+        gathered = pycoll.allgather(np.full(2, rank), group=groups[g])
+        return x[0], big[-1], root[0], gathered.tolist()
 
-    threads = [threading.Thread(target=run, args=(g,)) for g in (0, 1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not any(th.is_alive() for th in threads), "the groups' collectives waited on each other"
-    assert not errors, errors
-    mean = (size + 1) / 2
+    results = in_opposite_orders(run)
     for g in (0, 1):
-        assert results[g] == (mean, g * size, size - 1.0, [r for r in range(size) for _ in range(2)])
+        assert results[g] == ((size + 1) / 2, g * size, size - 1.0,
+                              [r for r in range(size) for _ in range(2)])
 
 
 def test_error_reaches_the_work_and_engine_goes_on(group, monkeypatch):

@@ -493,38 +493,23 @@ def test_isend_irecv_from_threads(world):
     dist.barrier()
 
 
-def test_groups_used_from_two_threads_at_once(world):
-    """Each thread its own process group, entered in opposite orders on neighbouring
-    ranks, as gloo runs them (a training loop beside a checkpoint thread, say)."""
-    import threading
-    import time
+def test_groups_used_from_two_threads_at_once(world, in_opposite_orders):
+    """Each thread its own process group over every rank, entered in opposite orders on
+    neighbouring ranks, as gloo runs them (a training loop beside a checkpoint thread)."""
     rank, size = world
     mine = [dist.new_group(list(range(size)), backend="pycoll") for _ in range(2)]
-    results, errors = {}, []
 
     def run(g):
-        try:
-            if (rank + g) % 2:
-                time.sleep(0.2)
-            t = torch.full((4,), float(rank + g))
-            for _ in range(3):
-                dist.all_reduce(t, group=mine[g])
-                t /= size
-            b = torch.tensor([float(rank)])
-            dist.broadcast(b, src=size - 1, group=mine[g])
-            dist.barrier(group=mine[g])
-            results[g] = t[0].item(), b.item()
-        except BaseException as error:
-            errors.append(error)
+        t = torch.full((4,), float(rank + g))
+        for _ in range(3):
+            dist.all_reduce(t, group=mine[g])
+            t /= size
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=size - 1, group=mine[g])
+        dist.barrier(group=mine[g])
+        return t[0].item(), b.item()
 
-    threads = [threading.Thread(target=run, args=(g,)) for g in (0, 1)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not any(th.is_alive() for th in threads), "the groups waited on each other"
-    assert not errors, errors
-    assert results == {g: ((size - 1) / 2 + g, size - 1.0) for g in (0, 1)}
+    assert in_opposite_orders(run) == {g: ((size - 1) / 2 + g, size - 1.0) for g in (0, 1)}
 
 
 # ---------------------------------------------------------------- DDP communication hooks

@@ -412,6 +412,58 @@ def test_functional_collectives_and_fsdp2_match_gloo(groups):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_fsdp2_loads_a_full_state_dict_broadcast_from_rank_0(world):
+    """torch's way to load a checkpoint into FSDP2 from rank 0 alone: it asks the group
+    which devices it serves."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    rank, size = world
+    assert dist.distributed_c10d._device_capability() == (
+        ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)).state_dict()
+    expected = {k: v.clone() for k, v in full.items()}
+    torch.manual_seed(1 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2))
+    fully_shard(model)
+    set_model_state_dict(model, full if rank == 0 else {}, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.full_tensor(), expected[key])
+
+
+def test_async_checkpoint_on_its_own_group_while_training(world):
+    """dcp.async_save on a pycoll group of its own, its collectives in a background thread
+    while DDP trains on the default group; what it saved loads back."""
+    import shutil
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    rank, size = world
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    checkpoints = dist.new_group(list(range(size)), backend="pycoll")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = saving = None
+    for step in range(4):
+        model(values(rank, (4, 16), seed=step)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            saving = dcp.async_save({"model": model.state_dict()}, checkpoint_id=path[0],
+                                    process_group=checkpoints)
+    saving.result(timeout=60)
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(loaded, checkpoint_id=path[0], process_group=checkpoints)
+    for key, value in saved.items():
+        assert torch.equal(loaded["model"][key], value)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+
+
 def test_a_world_larger_than_mpis_names_the_launcher(world):
     """torchrun and mp.spawn start processes that are each MPI's whole world."""
     from types import SimpleNamespace

@@ -213,6 +213,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
+    # torch's helpers ask a group which devices it serves (DCP's async_save wants "cpu",
+    # state-dict broadcasts pick one) of the Backends registered with it, and a
+    # ProcessGroup written in Python has none: the devices this one takes tensors on.
+    @property
+    def _device_types(self) -> List[torch.device]:
+        cuda = [torch.device("cuda")] if torch.cuda.is_available() else []
+        return [torch.device("cpu"), *cuda]
+
     @property
     def _ranks(self) -> int:
         return self.group.size()

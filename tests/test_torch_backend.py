@@ -380,6 +380,30 @@ def test_ddp_replicas_identical_and_equal_to_one_process(groups, overlap):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_ddp_and_functional_collectives(world):
+    """torch.compile of a DDP model (its forward broadcasts buffers through the group) and
+    of functional collectives in one graph; the collectives run as calls, as gloo's."""
+    from torch.distributed import _functional_collectives as funcol
+    rank, size = world
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def gathered_sums(x):
+        return funcol.all_gather_tensor(funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1,
+                                        0, dist.group.WORLD)
+    assert torch.equal(gathered_sums(torch.full((3,), float(rank))),
+                       torch.full((3 * size,), size * (size - 1) + 1.0))
+    torch.manual_seed(100 + rank)                  # DDP must broadcast rank 0's weights
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    xs, ys = _data(size)
+    _train(torch.compile(ddp, backend="aot_eager"), xs, ys, rank, size)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(everyone, flat)
+    assert all(torch.equal(flat, other) for other in everyone)      # bit-identical
+
+
 def test_functional_collectives_and_fsdp2_match_gloo(groups):
     """What DTensor and FSDP2 use: torch's functional collectives (which find the group
     by its name) and ``fully_shard`` on a device mesh of the group."""

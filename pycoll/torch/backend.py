@@ -455,6 +455,30 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"
 
 
+# torch.compile traces the Python it meets, and would trace into these methods (DDP's
+# forward broadcasts buffers and waits) where gloo's are C++ calls it makes as they are:
+# each runs as a call, outside the graph. Applied with the first group, not at import:
+# the wrapper imports torch._dynamo (a second), which DDP imports anyway.
+_CALLED_AS_THEY_ARE = {
+    ProcessGroupPycoll: ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
+                         "reduce_scatter_single", "_reduce_scatter_base",
+                         "reduce_scatter_single_coalesced", "broadcast", "allgather",
+                         "all_gather_single", "_allgather_base", "allgather_coalesced",
+                         "all_gather_single_coalesced", "gather", "scatter", "alltoall",
+                         "all_to_all_single", "barrier", "send", "recv", "recv_anysource"),
+    PycollWork: ("wait", "is_completed", "is_success", "exception", "get_future", "result",
+                 "_source_rank"),
+}
+
+
+def _disable_compiling() -> None:
+    for cls, names in _CALLED_AS_THEY_ARE.items():
+        for name in names:
+            setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
+
+
+_outside_compiled_graphs = lazy(_disable_compiling)
+
 def _message(tensor, staging: ExitStack, write: bool):
     """MPI's view of ``tensor`` (contiguous, as gloo and NCCL require for send and recv):
     its own memory on the host; GPU memory through the staging copy collectives use,
@@ -563,6 +587,7 @@ def _create(options, backend_options=None) -> ProcessGroupPycoll:
         # pycoll's own limits (the watchdog, the checks, blocking calls) must not end the
         # job before the group's: rank 0 may evaluate for minutes while the others wait.
         pycoll.config.configure(timeout=timeout)
+    _outside_compiled_graphs()
     return ProcessGroupPycoll(group, timeout)
 
 

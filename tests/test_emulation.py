@@ -399,12 +399,18 @@ def test_per_rank_links_pace_the_group(link):
     if n >= 3:                                                      # a group without rank 1
         others = [q for q in range(n) if q != 1]
         group = pycoll.new_group(others)
+        fastest = 0.0
         if r != 1:
             pycoll.barrier(group=group)
-            start = time.monotonic()
-            pycoll.barrier(group=group)
-            assert time.monotonic() - start < 0.035
-        MPI.COMM_WORLD.Barrier()
+            fastest = min(_seconds(lambda: pycoll.barrier(group=group)) for _ in range(3))
+        MPI.COMM_WORLD.Barrier()        # before the check: a rank failing it leaves no one behind
+        assert fastest < 0.035, fastest                             # not rank 1's 40 ms
+
+
+def _seconds(run) -> float:
+    start = time.monotonic()
+    run()
+    return time.monotonic() - start
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Run Horovod's own PyTorch test suite against pycoll.torch, as Horovod runs it (CPU),
-# without copying it into this repository (its licence and size). At each rank count it
-# runs twice: in pycoll's default configuration, as users run it, and with PYCOLL_CHECK=1.
+# Run Horovod's own PyTorch test suite against pycoll.torch, as Horovod runs it (CPU):
+# test_torch.py, test_adasum_pytorch.py (power-of-2 ranks) and test_torch_elastic.py,
+# without copying it into this repository (its licence and size). At each rank count
+# test_torch.py runs twice: in pycoll's default configuration, as users run it, and with
+# PYCOLL_CHECK=1.
 #
 #   tools/horovod_suite.sh HOROVOD_CHECKOUT [RANKS...]     (default ranks: 2 3)
 #   PYCOLLRUN_FLAGS="--link 50us,1.25GB/s" tools/horovod_suite.sh ...   (extra pycollrun flags)
@@ -37,6 +39,11 @@ cp "$src/test/utils/common.py" "$scratch/"
 sed -e 's/^import horovod.torch as hvd/import pycoll.torch as hvd/' \
     -e 's/subclass != torch.optim.SparseAdam$/subclass != torch.optim.SparseAdam and subclass.__name__ != "Muon"/' \
     "$src/test/parallel/test_torch.py" > "$scratch/test_torch.py"
+sed -e 's/^import horovod.torch as hvd/import pycoll.torch as hvd/' \
+    -e 's/^from horovod.torch.mpi_ops import synchronize/from pycoll.torch import synchronize/' \
+    "$src/test/parallel/test_adasum_pytorch.py" > "$scratch/test_adasum_pytorch.py"
+sed -e 's/^import horovod.torch as hvd/import pycoll.torch as hvd/' \
+    "$src/test/single/test_torch_elastic.py" > "$scratch/test_torch_elastic.py"
 "$venv/bin/python" -c "import mock" 2>/dev/null || "$venv/bin/pip" install -q --target "$scratch" mock
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cd "$scratch"
@@ -52,4 +59,13 @@ for n in $ranks; do
     PYCOLL_CHECK=$check PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" ${PYCOLLRUN_FLAGS:-} python -m pytest \
       -p no:cacheprovider -q -rs --timeout 300 "${deselect[@]}" test_torch.py
   done
+  if [ $((n & (n - 1))) = 0 ]; then       # Adasum takes power-of-2 ranks, as in Horovod
+    echo "== Horovod's test_adasum_pytorch.py at $n ranks"
+    PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np "$n" ${PYCOLLRUN_FLAGS:-} python -m pytest \
+      -p no:cacheprovider -q -rs --timeout 300 test_adasum_pytorch.py
+  fi
 done
+# A single-process test (its sampler counts one process's samples), as Horovod runs it.
+echo "== Horovod's test_torch_elastic.py at 1 rank"
+PYTHONPATH="$scratch" "$venv/bin/pycollrun" -np 1 ${PYCOLLRUN_FLAGS:-} python -m pytest \
+  -p no:cacheprovider -q -rs --timeout 300 test_torch_elastic.py

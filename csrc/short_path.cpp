@@ -49,7 +49,7 @@ bool as_ptr(PyObject* obj, intptr_t& out) {  // mpi4py handles: negative ints to
 
 // ---------------------------------------------------------------- the Gate
 
-// Who runs the next operation of a process: the engine's thread or a caller. All of its
+// Who runs the next operation of a group: its engine's thread or a caller. All of its
 // state changes with the GIL held, so each method is atomic. What runs is kept as its
 // name and start, not as a tuple: a claim allocates nothing (running() makes the tuple,
 // for the watchdog once a second).

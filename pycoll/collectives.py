@@ -717,16 +717,17 @@ def _plan_barrier(group, name):
 
 
 # The blocking collectives' short path, in C (csrc/short_path.cpp): contiguous host
-# tensors, while the engine is idle, go straight to MPI, with the same calls as the
+# tensors, while their group's engine is idle, go straight to MPI, with the same calls as the
 # planners above make. At small sizes the general path's planning and mpi4py's argument
 # handling cost several times the communication. These are the functions and handles it
-# uses; runtime binds the world and the gate.
+# uses; runtime binds the world and its gate (another group's is read from the group).
 _C.short_path_setup(ndarray=np.ndarray, is_torch=tensors.is_torch, find_route=_short_route,
                     resolve=runtime.resolve, empty_like=tensors.empty_like,
                     huge_paged=tensors.HUGE_PAGED,
                     empty=np.empty, counts_dtype=np.dtype(np.int64),
                     failed=_disagreed, views=tensors.views_like,
-                    staging=lambda group, nbytes: runtime.resolve(group).engine.fusion_buffer(nbytes),
+                    staging=lambda group, nbytes:
+                        runtime.resolve(group).engine.fusion_buffer(nbytes),
                     alone_bytes=_ALONE_BYTES, cached_piece=_CACHED_PIECE,
                     mpi_error=MPI.Exception,
                     in_place=int(MPI.IN_PLACE), byte=MPI._handleof(MPI.BYTE),
@@ -763,7 +764,7 @@ def _submit_allreduce(x, op, group, name, inplace) -> Work:
     item = _planned_item(x, op, grp, name, inplace)
     src = item[0]           # item.src: a NamedTuple's field by name costs more
     return grp.engine.submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
-                                           _allreduce_queued, name)
+                                     _allreduce_queued, name)
 
 
 def allreduce(x, op=Average, group=None, name: Optional[str] = None):

@@ -130,8 +130,9 @@ class PycollWork(dist.Work):
 
 def _completion(group: pycoll.Group, works: Sequence[pycoll.Work],
                 finish: Callable[[list], object], name: str, timeout: Optional[float] = None):
-    """Queue on ``group``'s engine, behind ``works`` (its operations), the step that runs ``finish(results)`` and has the future
-    completed with what it returns (the output tensors)."""
+    """Queue on ``group``'s engine, behind ``works`` (its operations), the step that runs
+    ``finish(results)`` and has the future completed with what it returns (the output
+    tensors)."""
     future = torch.futures.Future()
 
     def step():
@@ -478,6 +479,7 @@ def _disable_compiling() -> None:
 
 
 _outside_compiled_graphs = lazy(_disable_compiling)
+
 
 def _message(tensor, staging: ExitStack, write: bool):
     """MPI's view of ``tensor`` (contiguous, as gloo and NCCL require for send and recv):

@@ -216,9 +216,16 @@ def test_a_group_is_named_and_destroyed(world):
     assert group.group_name and group.group_name != dist.group.WORLD.group_name
     x = torch.ones(3)
     dist.all_reduce(x, group=group)
+    ours = group.group
     dist.destroy_process_group(group)
+    assert ours.freed and ours.comm is None                    # its communicators released
     dist.all_reduce(x)
     assert torch.equal(x, torch.full((3,), float(size * size)))
+    for _ in range(3):                                         # and made anew, many times
+        again = dist.new_group(list(range(size)), backend="pycoll")
+        dist.all_reduce(x, group=again, async_op=True).wait()
+        dist.destroy_process_group(again)
+    assert torch.equal(x, torch.full((3,), float(size ** 5)))
 
 
 def test_reduce_scatter_and_tensor(groups):

@@ -452,6 +452,17 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         if len(tensors) != self._ranks:
             raise ValueError(f"{what} needs one tensor per rank ({self._ranks}), got {len(tensors)}")
 
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: what the group has queued finishes, then its
+        communicators are released and its engine's thread ends (as every member does)."""
+        group = self.group
+        if group.freed:
+            return
+        group.engine.run(lambda: None, "torch.destroy_process_group")
+        self._p2p_comm.Free()
+        group.free()
+        group.engine.stop(pycoll.config.get("timeout"))
+
     def __repr__(self) -> str:
         return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"
 

@@ -25,7 +25,6 @@ class Group:
         self.comm = comm
         self.ranks = ranks
         self.engine = Engine(on_stuck=_abort) if comm is not None else None
-        self.gate = self.engine.gate if comm is not None else None
         self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
         # allgather's, alltoall's and reduce_scatter's capacity for data sent with their
@@ -60,6 +59,19 @@ class Group:
     def is_member(self) -> bool:
         return self.comm is not None
 
+    @property
+    def gate(self):
+        """Its engine's Gate (what the compiled short path claims)."""
+        return self.engine.gate if self.engine is not None else None
+
+    def release(self) -> None:
+        """Free the group once what its engine holds has run, and end the engine's thread
+        (every member calls it at the same place among the group's operations)."""
+        if self.freed:
+            return
+        self.engine.run(self.free, f"release {self}")
+        self.engine.stop(config.get("timeout"))
+
     def rank(self) -> int:
         return self.comm.Get_rank() if self.comm is not None else -1
 
@@ -73,7 +85,6 @@ class Group:
 class _State:
     world: Optional[Group] = None
     local_comm = None
-    engine: Optional[Engine] = None
     p2p_comm = None      # pycoll.partial's own duplicate: its tags never meet other traffic
     user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
     new_groups = weakref.WeakSet()  # new_group()'s, released by shutdown()
@@ -106,8 +117,7 @@ def init(comm=None, **options) -> None:
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
-    _state.engine = _state.world.engine
-    _C.short_path_bind(_state.engine.gate, _state.world.handle, own.Get_size(), _state.world)
+    _C.short_path_bind(_state.world.gate, _state.world.handle, own.Get_size(), _state.world)
     atexit.register(_finish_queued)
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
@@ -115,16 +125,12 @@ def init(comm=None, **options) -> None:
              _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
 
 
-def _groups() -> list:
-    """Every group this process may run collectives on: the world first."""
+def engines() -> list:
+    """The engines of every group this process is a member of, the world's first."""
     if _state.world is None:
         return []
-    return [_state.world, *_state.user_groups.values(), *_state.new_groups]
-
-
-def engines() -> list:
-    """The engines of every group this process is a member of."""
-    return [group.engine for group in _groups() if group.engine is not None]
+    groups = [_state.world, *_state.user_groups.values(), *_state.new_groups]
+    return [group.engine for group in groups if group.engine is not None]
 
 
 def _finish_queued() -> None:
@@ -164,7 +170,7 @@ def shutdown() -> None:
         group.free()
     for engine in live:
         engine.stop(timeout=config.get("timeout"))
-    _state.world = _state.local_comm = _state.engine = _state.p2p_comm = None
+    _state.world = _state.local_comm = _state.p2p_comm = None
     _state.user_groups.clear()
 
 
@@ -180,7 +186,7 @@ def world() -> Group:
 
 def engine() -> Engine:
     """The world group's engine."""
-    return _state.engine or world() and _state.engine   # world() raises if uninitialized
+    return (_state.world or world()).engine             # world() raises if uninitialized
 
 
 def rank() -> int:

@@ -206,8 +206,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     group, process_set._group, process_set.process_set_id = process_set._group, None, None
     if group.is_member and not group.freed:
         negotiation.release(group)
-        group.engine.run(group.free, f"remove_process_set({process_set.ranks})")
-        group.engine.stop(pycoll.config.get("timeout"))
+        group.release()
     return True
 
 

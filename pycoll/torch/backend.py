@@ -455,13 +455,9 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def shutdown(self) -> None:
         """torch's ``destroy_process_group``: what the group has queued finishes, then its
         communicators are released and its engine's thread ends (as every member does)."""
-        group = self.group
-        if group.freed:
-            return
-        group.engine.run(lambda: None, "torch.destroy_process_group")
-        self._p2p_comm.Free()
-        group.free()
-        group.engine.stop(pycoll.config.get("timeout"))
+        if not self.group.freed:
+            self._p2p_comm.Free()
+            self.group.release()
 
     def __repr__(self) -> str:
         return f"ProcessGroupPycoll(rank={self.rank()}, size={self.size()}, {self.group})"

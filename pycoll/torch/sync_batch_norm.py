@@ -84,7 +84,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         # the ranks' rows combine in float64, so that counts stay exact.
         x = input.to(torch.promote_types(input.dtype, torch.float32))
         channels, count = x.size(1), x.numel() // x.size(1)
-        mean = x.mean([0, *range(2, x.dim())]) if count else x.new_zeros(channels)
+        mean = _per_channel(x) / count if count else x.new_zeros(channels)
         m2 = _per_channel((x - _channels(mean, x)) ** 2)
         row = torch.cat([mean.new_tensor([count], dtype=torch.float64), mean.double(),
                          m2.double()]).unsqueeze(0)

@@ -137,6 +137,38 @@ def test_all_reduce_avg_and_async_future(groups, overlap):
     torch.testing.assert_close(result, total / size)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_avg_of_integers_truncates_as_nccl(groups, overlap, dtype):
+    """AVG of integer tensors (Lightning's ``sync_dist`` averages its int64 batch sizes on
+    every backend but gloo): the SUM divided by the ranks, truncated toward zero, as NCCL's;
+    in all_reduce, all_reduce_coalesced, reduce and reduce_scatter_tensor. gloo has no AVG:
+    its SUM, divided, is the reference."""
+    ours, gloo, rank, size = groups
+
+    def data(shape, seed):
+        x = values(rank, shape, seed=seed) * (3 * rank + 1)
+        if dtype.is_signed:
+            x.view(-1)[::2] *= -1               # truncation toward zero, not down
+        return x.to(dtype)
+
+    def reference(x):
+        total = x.clone()
+        dist.all_reduce(total, group=gloo)
+        return total.div(size, rounding_mode="trunc")
+    x, y, w, z = data((6,), 0), data((4,), 1), data((3,), 3), data((2 * size, 2), 2)
+    expected = [reference(t) for t in (x, y, w, z)]
+    root = z.clone()
+    scattered = torch.empty(2, 2, dtype=dtype)
+    avg = dist.ReduceOp.AVG
+    dist.all_reduce(x, op=avg, group=ours)
+    dist.all_reduce_coalesced([y, w], op=avg, group=ours)
+    dist.reduce(root, dst=dist.get_global_rank(ours, 0), op=avg, group=ours)
+    dist.reduce_scatter_tensor(scattered, z, op=avg, group=ours)
+    assert_same([x, y, w, scattered], expected[:3] + [expected[3][2 * rank:2 * rank + 2]])
+    if rank == 0:
+        assert_same(root, expected[3])
+
+
 def test_strided_tensors_as_gloo(groups, overlap):
     """all_reduce (one and coalesced), broadcast and reduce of non-contiguous tensors, which
     gloo takes: reduced through contiguous copies, written back."""

@@ -463,15 +463,18 @@ def _scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor
 
 
-def _core_op(op, tensors) -> "pycoll.ReduceOp":
-    """The op pycoll runs: Average of integers is a Sum that ``_finish_reduce`` divides."""
-    if op is Average and any(not t.is_floating_point() for t in tensors):
+def core_op(op, tensors) -> "pycoll.ReduceOp":
+    """The op pycoll runs: Average of integers is a Sum that ``finish_reduce`` divides
+    (Horovod's and NCCL's integer Average; the torch backend's AVG uses it too). bool's
+    Average stays undefined: pycoll refuses it with the ops it has."""
+    if op is Average and any(not t.is_floating_point() and t.dtype != torch.bool
+                             for t in tensors):
         return Sum
     return op
 
 
-def _finish_reduce(out: torch.Tensor, op, core, postscale: float, n: int) -> torch.Tensor:
-    """The postscale, and Average where pycoll ran a Sum (``_core_op``): Horovod's
+def finish_reduce(out: torch.Tensor, op, core, postscale: float, n: int) -> torch.Tensor:
+    """The postscale, and Average where pycoll ran a Sum (``core_op``): Horovod's
     integer Average is the sum divided by the ranks, truncated toward zero."""
     if op is Average and core is Sum:
         if out.is_floating_point():
@@ -516,7 +519,7 @@ def _allreduce_async(tensors: list, inplace: bool, name, op, prescale: float,
         if op == Adasum:
             return _adasum.allreduce_async_(srcs if in_place else [t.clone() for t in srcs],
                                             group, name)
-        core = _core_op(op, srcs)
+        core = core_op(op, srcs)
         if grouped:         # one Work, whose result is the list
             issue = pycoll.grouped_allreduce_async_ if in_place else pycoll.grouped_allreduce_async
             return issue(srcs, op=core, group=group, name=name)
@@ -525,9 +528,9 @@ def _allreduce_async(tensors: list, inplace: bool, name, op, prescale: float,
         return [issue(srcs[0], op=core, group=group, name=name)]
 
     def finish(outs):
-        n, core = process_set.size(), _core_op(op, tensors)
+        n, core = process_set.size(), core_op(op, tensors)
         outs = [_scale_(o, postscale) if op == Adasum else
-                _finish_reduce(o, op, core, postscale, n) for o in outs]
+                finish_reduce(o, op, core, postscale, n) for o in outs]
         if inplace:
             for t, o in zip(tensors, outs):
                 if o.data_ptr() != t.data_ptr():
@@ -873,12 +876,12 @@ def _reducescatter_async(tensors: list, name, op, process_set, prescale: float,
             t = t.detach()
             if prescale != 1.0:
                 t = _scale_(t.clone(), prescale)
-            works.append(pycoll.reduce_scatter_async(t, op=_core_op(op, [t]), group=group,
+            works.append(pycoll.reduce_scatter_async(t, op=core_op(op, [t]), group=group,
                                                      name=name if not grouped else f"{name}[{i}]"))
         return works
 
     def finish(outs):
-        outs = [_finish_reduce(o, op, _core_op(op, [t]), postscale, process_set.size())
+        outs = [finish_reduce(o, op, core_op(op, [t]), postscale, process_set.size())
                 for o, t in zip(outs, tensors)]
         return outs if grouped else outs[0]
     return _submit(process_set, what, name, meta, start, finish)
@@ -972,7 +975,7 @@ def _fill(device):
         shapes = meta["shape"] if grouped else [meta["shape"]]
         types = meta["dtype"] if grouped else [meta["dtype"]]
         zeros = [torch.zeros(s, dtype=dtypes[d], device=device) for s, d in zip(shapes, types)]
-        op = _core_op(_reduction(meta["op"], None), zeros)
+        op = core_op(_reduction(meta["op"], None), zeros)
         # As the others issue it (``_allreduce_async``), so that batches fuse alike.
         if grouped:
             return pycoll.grouped_allreduce_async_(zeros, op=op, group=group, name=response.name)

@@ -233,25 +233,38 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         dense = _dense(tensors)
+        core = api.core_op(op, dense)
+
+        def finish(_=None):
+            if core is not op:
+                for t in dense:
+                    self._finish_reduce(t, op, core)
+            return _write_back(tensors, dense)
         if dense and not api.overlap_pays(dense[0]):
-            pycoll.grouped_allreduce_(dense, op=op, group=self.group, name="torch.allreduce")
-            return _completed(_write_back(tensors, dense))
-        work = pycoll.grouped_allreduce_async_(dense, op=op, group=self.group,
+            pycoll.grouped_allreduce_(dense, op=core, group=self.group, name="torch.allreduce")
+            return _completed(finish())
+        work = pycoll.grouped_allreduce_async_(dense, op=core, group=self.group,
                                                name="torch.allreduce")
-        return self._complete([work], lambda _: _write_back(tensors, dense), "torch.allreduce")
+        return self._complete([work], finish, "torch.allreduce")
 
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")
         op, root = reduce_op(opts.reduceOp), opts.rootRank
         check_root(root, self.group)
-        work = pycoll.allreduce_async(tensor.contiguous(), op=op, group=self.group,
+        core = api.core_op(op, [tensor])
+        work = pycoll.allreduce_async(tensor.contiguous(), op=core, group=self.group,
                                       name="torch.reduce")
 
         def finish(results):
             if self.group.rank() == root:
-                tensor.copy_(results[0])
+                tensor.copy_(self._finish_reduce(results[0], op, core))
             return [tensor]
         return self._complete([work], finish, "torch.reduce")
+
+    def _finish_reduce(self, out, op, core):
+        """AVG of integer tensors ran as a SUM: divided here, truncated toward zero, as
+        NCCL's AVG (and Horovod's Average) defines it."""
+        return api.finish_reduce(out, op, core, 1.0, self._ranks)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -275,13 +288,15 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, rows, op):
         direct = output.is_contiguous()     # straight into torch's output: no copy
-        work = pycoll.reduce_scatter_async(rows.contiguous(), op=op, group=self.group,
+        core = api.core_op(op, [rows])
+        work = pycoll.reduce_scatter_async(rows.contiguous(), op=core, group=self.group,
                                            name="torch.reduce_scatter",
                                            out=output if direct else None)
 
         def finish(results):
+            result = self._finish_reduce(results[0], op, core)
             if not direct:
-                output.copy_(results[0].view(output.shape))
+                output.copy_(result.view(output.shape))
             return [output]
         return self._complete([work], finish, "torch.reduce_scatter")
 

@@ -213,6 +213,33 @@ def test_process_set():
     hvd.remove_process_set(evens)
 
 
+def test_init_registers_all_of_its_process_sets_or_none():
+    """Horovod's init(process_sets=...): a list with a duplicate (of another entry or of
+    the global set) registers none, so the corrected list may follow; a later init binds a
+    set over ranks registered already; the communicator init is given is the global set's."""
+    from mpi4py import MPI
+    r, n = hvd.rank(), hvd.size()
+    with pytest.raises(ValueError, match="duplicate"):
+        hvd.init(process_sets=[hvd.ProcessSet(range(n - 1, -1, -1))])
+    if n == 1:
+        return
+    first, rest = hvd.ProcessSet([0]), hvd.ProcessSet(reversed(range(1, n)))
+    with pytest.raises(ValueError, match="duplicate"):
+        hvd.init(process_sets=[first, rest, hvd.ProcessSet([0])])
+    assert first.process_set_id is None and rest.process_set_id is None
+    hvd.init(comm=MPI.COMM_WORLD, process_sets=[first, rest])
+    assert hvd.global_process_set.mpi_comm is MPI.COMM_WORLD
+    assert rest.ranks == list(range(1, n)) and rest.size() == n - 1
+    again = hvd.ProcessSet(range(1, n))
+    hvd.init(process_sets=[again])
+    assert again.process_set_id == rest.process_set_id
+    if r:
+        out = hvd.allreduce(rank_tensor(r), op=hvd.Sum, process_set=again)
+        torch.testing.assert_close(out, stacked(n)[1:].sum(0))
+    assert hvd.remove_process_set(first) and hvd.remove_process_set(again)
+    assert not hvd.remove_process_set(rest)
+
+
 # ---------------------------------------------------------------- DistributedOptimizer
 
 def _model():

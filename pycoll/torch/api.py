@@ -170,14 +170,11 @@ def _comm_ranks(comm) -> List[int]:
         world.Free()
 
 
-def add_process_set(process_set) -> ProcessSet:
-    """Register a process set (a ``ProcessSet`` or a list of world ranks) and return it.
-    Collective over its members, like Horovod's (every rank may call it)."""
-    runtime.world()
+def _resolved(process_set) -> ProcessSet:
+    """``process_set`` (a ProcessSet or a list of world ranks) with its ranks known and
+    checked; registered by nothing yet."""
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    if process_set.process_set_id is not None:
-        raise ValueError(f"{process_set} is registered already")
     if process_set.ranks is None and process_set.mpi_comm is not None:
         process_set.ranks = _comm_ranks(process_set.mpi_comm)
     ranks = process_set.ranks
@@ -186,9 +183,18 @@ def add_process_set(process_set) -> ProcessSet:
     n = pycoll.size()
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
         raise ValueError(f"a process set needs distinct ranks in [0, {n}), got {ranks}")
-    if ranks == list(range(n)) or any(ps.ranks == ranks for ps in _process_sets.values()):
-        raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
-    process_set._group = pycoll.new_group(ranks)
+    return process_set
+
+
+def _registered(ranks: List[int]) -> Optional[ProcessSet]:
+    """The set registered over ``ranks``, the global one included."""
+    if ranks == list(range(pycoll.size())):
+        return global_process_set
+    return next((ps for ps in _process_sets.values() if ps.ranks == ranks), None)
+
+
+def _register(process_set: ProcessSet) -> ProcessSet:
+    process_set._group = pycoll.new_group(process_set.ranks)
     process_set.process_set_id = next(_next_set_id)
     _process_sets[process_set.process_set_id] = process_set
     if process_set._group.is_member:
@@ -196,11 +202,23 @@ def add_process_set(process_set) -> ProcessSet:
     return process_set
 
 
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set (a ``ProcessSet`` or a list of world ranks) and return it.
+    Collective over its members, like Horovod's (every rank may call it)."""
+    runtime.world()
+    if getattr(process_set, "process_set_id", None) is not None:
+        raise ValueError(f"{process_set} is registered already")
+    process_set = _resolved(process_set)
+    if _registered(process_set.ranks) is not None:
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+    return _register(process_set)
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set (every rank that added it calls this); False for the
     global set or one that is not registered, as in Horovod."""
-    if process_set.process_set_id in (None, 0) or \
-            _process_sets.get(process_set.process_set_id) is not process_set:
+    registered = _process_sets.get(process_set.process_set_id)      # None for the global set
+    if registered is None or registered._group is not process_set._group:  # not it, nor bound
         return False
     del _process_sets[process_set.process_set_id]
     group, process_set._group, process_set.process_set_id = process_set._group, None, None
@@ -241,10 +259,31 @@ def init(comm=None, process_sets=None) -> None:
         members = world.Get_group().Incl(ranks)
         comm = world.Create_group(members)
         members.Free()
+    elif comm is not None:
+        global_process_set.mpi_comm = comm          # as Horovod's: the communicator given
     pycoll.init(comm)
     _start_global()
-    for process_set in process_sets or ():
-        add_process_set(process_set)
+    _init_process_sets(list(process_sets or ()))
+
+
+def _init_process_sets(process_sets: list) -> None:
+    """Horovod's ``init(process_sets=...)``: every set is checked before any is
+    registered, so a list with a duplicate registers nothing and a corrected list may be
+    passed to init again; a set over ranks an earlier init registered is bound to that
+    registration, as Horovod's later inits do."""
+    fresh = [ps for ps in process_sets if getattr(ps, "process_set_id", None) is None]
+    fresh = [_resolved(ps) for ps in fresh]
+    for i, ps in enumerate(fresh):
+        if _registered(ps.ranks) is global_process_set or \
+                any(o.ranks == ps.ranks for o in fresh[:i]):
+            raise ValueError(f"init's process_sets hold a duplicate, {ps} (the global set's "
+                             "ranks, or another entry's); none of them was registered")
+    for ps in fresh:
+        known = _registered(ps.ranks)
+        if known is None:
+            _register(ps)
+        else:
+            ps.process_set_id, ps._group = known.process_set_id, known._group
 
 
 def _start_global() -> None:
@@ -265,6 +304,7 @@ def shutdown() -> None:
     for process_set in list(_process_sets.values()) + [global_process_set]:
         process_set.process_set_id, process_set._group = None, None
     _process_sets.clear()
+    global_process_set.mpi_comm = None
     pycoll.shutdown()
 
 

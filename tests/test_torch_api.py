@@ -238,6 +238,9 @@ def test_init_registers_all_of_its_process_sets_or_none():
         torch.testing.assert_close(out, stacked(n)[1:].sum(0))
     assert hvd.remove_process_set(first) and hvd.remove_process_set(again)
     assert not hvd.remove_process_set(rest)
+    hvd.init(process_sets="dynamic")            # Horovod's: none now, added later
+    later = hvd.add_process_set([0])
+    assert later.ranks == [0] and hvd.remove_process_set(later)
 
 
 # ---------------------------------------------------------------- DistributedOptimizer

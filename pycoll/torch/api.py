@@ -250,7 +250,8 @@ def _negotiator(process_set: ProcessSet) -> negotiation.Negotiator:
 
 def init(comm=None, process_sets=None) -> None:
     """Start pycoll (idempotent). ``comm``: an mpi4py communicator, or a list of world
-    ranks to run on; ``process_sets``: sets to register now."""
+    ranks to run on; ``process_sets``: sets to register now, or Horovod's ``"dynamic"``
+    (none now; ``add_process_set`` works either way)."""
     from mpi4py import MPI
     if isinstance(comm, (list, tuple)):
         ranks, world = sorted(comm), MPI.COMM_WORLD
@@ -263,6 +264,8 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.mpi_comm = comm          # as Horovod's: the communicator given
     pycoll.init(comm)
     _start_global()
+    if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
+        process_sets = None
     _init_process_sets(list(process_sets or ()))
 
 

@@ -160,10 +160,11 @@ def make_parser() -> argparse.ArgumentParser:
     where.add_argument("--hostfile", metavar="FILE", help="MPI hostfile (in your MPI's format)")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more ranks than slots (automatic on a single host)")
-    parser.add_argument("--no-abort-on-error", dest="abort_on_error", action="store_false",
-                        help="don't run python through `python -m mpi4py` (which makes an "
-                             "uncaught exception or sys.exit(n) on one rank abort all ranks "
-                             "with code n instead of leaving the others hanging)")
+    parser.add_argument("--no-abort-on-error", dest="knob_abort_on_error", action="store_const",
+                        const="0", help="don't run python through `python -m mpi4py` (which "
+                        "makes an uncaught exception or sys.exit(n) on one rank abort all "
+                        "ranks with code n instead of leaving the others hanging), and "
+                        "let pycoll leave them running too (--abort-on-error 0)")
     parser.add_argument("--verbose", action="store_true", help="print the mpiexec command")
     knobs = parser.add_argument_group("pycoll options (each sets its PYCOLL_* variable)")
     for knob in config.KNOBS.values():
@@ -191,6 +192,12 @@ def knob_env(args, parser) -> dict:
     return env
 
 
+def _aborts_on_error(args) -> bool:
+    knob = config.KNOBS["abort_on_error"]
+    text = args.knob_abort_on_error or os.environ.get(knob.env)
+    return text is None or knob.parse(text)
+
+
 def python_command(command, abort_on_error=True):
     """`python` -> this interpreter; with abort_on_error, `python [opts] X` -> `python [opts]
     -m mpi4py X` so a failing rank aborts the job instead of hanging its peers."""
@@ -214,7 +221,7 @@ def build_command(mpiexec, flavor, args, env, is_root=None, slots=None, master=N
     `master`: torch's (MASTER_ADDR, MASTER_PORT), by default `torch_master`'s."""
     exported = sorted(k for k in env if k.startswith("PYCOLL_") or k == "PYTHONPATH")
     command = torch_env(flavor, master or torch_master(args, env)) + \
-        python_command(args.command, args.abort_on_error)
+        python_command(args.command, _aborts_on_error(args))
     if flavor == "openmpi":
         cmd = [mpiexec, "-np", str(args.np)]
         if (os.geteuid() == 0) if is_root is None else is_root:

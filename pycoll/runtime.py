@@ -2,6 +2,7 @@
 import atexit
 import logging
 import os
+import sys
 import weakref
 from typing import Iterable, Optional
 
@@ -88,6 +89,7 @@ class _State:
     p2p_comm = None      # pycoll.partial's own duplicate: its tags never meet other traffic
     user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
     new_groups = weakref.WeakSet()  # new_group()'s, released by shutdown()
+    aborting = False                # an uncaught exception: MPI is aborted at exit
 
 
 _state = _State()
@@ -119,6 +121,8 @@ def init(comm=None, **options) -> None:
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
     _C.short_path_bind(_state.world.gate, _state.world.handle, own.Get_size(), _state.world)
     atexit.register(_finish_queued)
+    if config.get("abort_on_error") and MPI.COMM_WORLD.Get_size() > 1:
+        _abort_on_uncaught_exceptions()
     log = logging.getLogger("pycoll")
     log.setLevel(config.get("log_level").upper())
     log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
@@ -133,11 +137,32 @@ def engines() -> list:
     return [group.engine for group in groups if group.engine is not None]
 
 
+def _abort_on_uncaught_exceptions() -> None:
+    """What ``python -m mpi4py`` (pycollrun's way) does, for jobs started by a bare
+    ``mpiexec python script.py``: an uncaught exception on one rank aborts the job at exit.
+    Without it, that rank's exit finalizes MPI, which waits for the other ranks, which
+    wait in a collective for it, as long as PYCOLL_TIMEOUT. Interactive sessions, where
+    an uncaught exception is routine, are left alone."""
+    previous = sys.excepthook
+    if getattr(previous, "pycoll", False) or hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+
+    def hook(kind, value, traceback):
+        from mpi4py.run import set_abort_status
+        _state.aborting = True
+        previous(kind, value, traceback)
+        set_abort_status(value)
+    hook.pycoll = True
+    sys.excepthook = hook
+
+
 def _finish_queued() -> None:
     """At exit, before MPI is finalized (mpi4py's handler runs after this one): let queued
     collectives finish and stop the engines' threads. Finalizing under a thread still
     inside MPI is undefined, so a rank whose collectives do not finish within
-    PYCOLL_TIMEOUT ends the job instead."""
+    PYCOLL_TIMEOUT ends the job instead; one that is aborting waits for nothing."""
+    if _state.aborting:
+        return
     for engine in engines():
         if not engine.stop(timeout=config.get("timeout")):
             _abort(f"pycoll: {engine.running() or 'a collective'} was still running at exit "

@@ -96,6 +96,30 @@ def test_failing_rank_does_not_leave_peers_hanging(launcher, tmp_path):
         assert out.returncode == 3, out.stderr
 
 
+@pytest.mark.parametrize("abort", ["1", "0"])
+def test_without_mpi4pys_wrapper_pycoll_ends_the_job_on_an_uncaught_exception(
+        launcher, tmp_path, abort):
+    """A program started as by a bare `mpiexec python prog.py` (`env` keeps pycollrun from
+    adding `-m mpi4py`): rank 1 raises while rank 0 waits in a collective. pycoll aborts
+    the job at rank 1's exit (before, rank 1 finalized MPI, which waited for rank 0, which
+    waited PYCOLL_TIMEOUT for rank 1); `--abort-on-error 0` leaves rank 0 to its timeout."""
+    prog = _script(tmp_path, """
+        import numpy as np, pycoll
+        pycoll.init(check=True)
+        if pycoll.rank() == 1:
+            raise RuntimeError("rank 1 fails")
+        try:
+            pycoll.allreduce(np.ones(2), name="grads")
+        except pycoll.CollectiveTimeout:
+            print("rank 0 timed out", flush=True)
+    """)
+    timeout = "60" if abort == "1" else "4"
+    out = _run(launcher, "-np", "2", "--timeout", timeout, "--abort-on-error", abort,
+               "env", sys.executable, prog, timeout=90)
+    assert out.returncode != 0 and "RuntimeError: rank 1 fails" in out.stderr
+    assert ("rank 0 timed out" in out.stdout) == (abort == "0"), out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("value, words", [("1:x", "RANK:FACTOR"), ("1:0.5", "FACTOR >= 1"),
                                           ("2:3", "does not exist")])
 def test_bad_slowdown_exits_2(launcher, value, words):

@@ -217,9 +217,12 @@ def python_command(command, abort_on_error=True):
 
 def build_command(mpiexec, flavor, args, env, is_root=None, slots=None, master=None) -> list:
     """The mpiexec command line for `args` (parsed pycollrun options); `env` is the child
-    environment, whose PYCOLL_* (and PYTHONPATH) variables are exported to every rank;
+    environment, whose PYCOLL_* variables (and PYTHONPATH, and the Horovod variables
+    pycoll reads) are exported to every rank;
     `master`: torch's (MASTER_ADDR, MASTER_PORT), by default `torch_master`'s."""
-    exported = sorted(k for k in env if k.startswith("PYCOLL_") or k == "PYTHONPATH")
+    horovods = {knob.horovod for knob in config.KNOBS.values()}
+    exported = sorted(k for k in env if k.startswith("PYCOLL_") or k in horovods
+                      or k == "PYTHONPATH")
     command = torch_env(flavor, master or torch_master(args, env)) + \
         python_command(args.command, _aborts_on_error(args))
     if flavor == "openmpi":

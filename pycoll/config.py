@@ -120,6 +120,7 @@ class Knob:
     default: Any
     parse: Callable[[str], Any]
     help: str
+    horovod: Optional[str] = None   # Horovod's variable for it, read where PYCOLL_'s is unset
 
     @property
     def env(self) -> str:
@@ -136,7 +137,8 @@ KNOBS = {k.name: k for k in (
     # 4 MiB: small enough that batches leave while backward runs. bench/fusion.py's sweep
     # (1 to 128 MiB), which issues every tensor before waiting, favours 128 MiB by 10-13%.
     Knob("fusion_threshold", 4 * 2**20, _number(int, 0, "a whole number of bytes >= 0"),
-         "bytes: allreduces issued one after another are fused into batches up to this size"),
+         "bytes: allreduces issued one after another are fused into batches up to this size",
+         horovod="HOROVOD_FUSION_THRESHOLD"),
     # 4 MiB: bench/fusion.py's chunk sweep (1-64 MiB), best over all cases at 4 ranks and
     # within 3% of 2 MiB at 2; a 64 MiB allreduce in 4 MiB pieces ran 2-3x faster than
     # in one MPI call (the pieces stay in cache).
@@ -150,7 +152,8 @@ KNOBS = {k.name: k for k in (
     Knob("cycle_time_ms", 0.0, _number(float, 0, "a finite number of milliseconds >= 0"),
          "milliseconds: a fused batch still filling is sent once it is this old, ranks agreeing "
          "on its contents by one small allreduce (Horovod's cycle); 0: batches are cut only at "
-         "the fusion threshold, another kind of operation, or when a result is needed"),
+         "the fusion threshold, another kind of operation, or when a result is needed",
+         horovod="HOROVOD_CYCLE_TIME"),
     Knob("check", False, _bool,
          "before each collective, ranks compare what they submit; mismatches and missing "
          "ranks raise on every rank"),
@@ -159,7 +162,8 @@ KNOBS = {k.name: k for k in (
          "mpi4py` does, instead of leaving the others waiting in a collective for it; 0 "
          "leaves them running (also pycollrun's --no-abort-on-error)"),
     Knob("stall_warning_s", 60.0, _number(float, 0, "a positive, finite number of seconds", above=True),
-         "with check on, log which ranks have not joined a collective after this many seconds"),
+         "with check on, log which ranks have not joined a collective after this many seconds",
+         horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),
     Knob("log_level", "warning", _choice("debug", "info", "warning", "error"),
          "logging level of the pycoll logger: debug, info, warning, error"),
     Knob("cuda_aware_mpi", False, _bool,
@@ -281,9 +285,10 @@ def get(name: str) -> Any:
         return _overrides[name]
     if name not in _from_environment:
         knob = KNOBS[name]
-        text = os.environ.get(knob.env)
+        variable = next((v for v in (knob.env, knob.horovod) if v and v in os.environ), None)
+        text = os.environ.get(variable) if variable else None
         try:
             _from_environment[name] = knob.default if text is None else knob.parse(text)
         except ValueError as err:
-            raise ValueError(f"{knob.env}={text!r}: {err}") from None
+            raise ValueError(f"{variable}={text!r}: {err}") from None
     return _from_environment[name]

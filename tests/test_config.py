@@ -28,6 +28,18 @@ def test_precedence_keyword_then_environment_then_default(monkeypatch):
     assert config.get("timeout") == 3
 
 
+def test_horovods_variables_where_pycolls_are_unset(monkeypatch):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "33554432")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3.5")
+    monkeypatch.setenv("PYCOLL_CYCLE_TIME_MS", "0")
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1")
+    config.reload()
+    assert config.get("fusion_threshold") == 32 * 2**20
+    assert config.get("cycle_time_ms") == 0.0                 # PYCOLL_'s comes first
+    with pytest.raises(ValueError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='-1': expected"):
+        config.get("stall_warning_s")
+
+
 def test_bad_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("PYCOLL_CUDA_AWARE_MPI", "maybe")
     with pytest.raises(ValueError, match="PYCOLL_CUDA_AWARE_MPI='maybe'"):

@@ -852,18 +852,20 @@ PyObject* broadcast_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyObject *x = args[0], *root_arg = args[2], *group = args[3], *name = args[4];
     const bool inplace = args[1] == Py_True;
     if (!active() || !PyLong_CheckExact(root_arg)) Py_RETURN_NONE;
-    Host in;
-    const Route* route = nullptr;
-    if (int read = read_routed(x, inplace, Py_None, in, route)) return left(read);
     Target t;
     if (!target_of(group, t)) return nullptr;
     const long root = PyLong_AsLong(root_arg);
-    const Py_ssize_t count = in.nbytes / route->itemsize;
-    if (root < 0 || root >= t.size || count > (Py_ssize_t{1} << 30)) {  // the general path's one piece
+    if (root < 0 || root >= t.size) {
         PyErr_Clear();
-        Py_RETURN_NONE;  // the general path says what is wrong, or goes in pieces
+        Py_RETURN_NONE;  // the general path says what is wrong
     }
     const bool root_here = rank_in(t) == root;
+    Host in;
+    const Route* route = nullptr;
+    // The root only sends: its tensor may be read-only, in place too, as mpi4py's Bcast allows.
+    if (int read = read_routed(x, inplace && !root_here, Py_None, in, route)) return left(read);
+    const Py_ssize_t count = in.nbytes / route->itemsize;
+    if (count > (Py_ssize_t{1} << 30)) Py_RETURN_NONE;  // the general path goes in pieces
     Ref out;
     Host result;
     if (inplace) {

@@ -542,16 +542,16 @@ def _displacements(counts: Sequence[int]) -> List[int]:
 def _plan_broadcast(x, root, group, name, inplace):
     grp = runtime.resolve(group)
     check_root(root, grp)
-    src = as_buffer(x, writable=inplace)
-    out = x if inplace else (tensors.clone(x) if grp.rank() == root
-                             else tensors.empty_like(x, src.shape))
+    sends = grp.rank() == root          # and only sends: its tensor may be read-only, as in MPI
+    src = as_buffer(x, writable=inplace and not sends)
+    out = x if inplace else (tensors.clone(x) if sends else tensors.empty_like(x, src.shape))
     dst = src if inplace else as_buffer(out, writable=True)
 
     name = name or "broadcast"
 
     def run():
         grp.agree("broadcast", name, dtype=src.dtype, shape=src.shape, root=root)
-        with _host(dst, read=grp.rank() == root, write=True) as d, timeline.phase("in MPI"):
+        with _host(dst, read=sends, write=not sends) as d, timeline.phase("in MPI"):
             # typed, as mpi4py sends an array (MPI_BYTE x 4n took 1.20x mpi4py's MPI_FLOAT
             # x n at 64 MiB, 2 ranks)
             for offset, nbytes in _pieces(dst.nbytes, ITEMSIZE[dst.dtype]):

@@ -365,6 +365,8 @@ def clone(x):
     x = as_array(x)
     if hasattr(x, "clone"):                                       # torch
         return x.detach().clone()
+    if isinstance(x, np.generic):       # a numpy scalar: its copy would be read-only
+        return np.array(x)
     return x.copy()
 
 

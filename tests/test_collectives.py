@@ -408,6 +408,20 @@ def test_broadcast_bad_root(group):
         pycoll.broadcast(np.zeros(3), root=size, group=arg)
 
 
+def test_broadcast_root_only_reads(group):
+    """The root only sends, as in MPI's Bcast: a read-only tensor there (a numpy scalar,
+    bytes' view), in place too, works. The root alone refused them, and the other ranks
+    waited in the broadcast for it."""
+    arg, rank, size = group
+    for root in range(size):
+        got = pycoll.broadcast(np.float32(rank + 0.5), root=root, group=arg)
+        assert got.shape == () and got == np.float32(root + 0.5)
+        sent = np.frombuffer(np.arange(3.0).tobytes(), np.float64)          # read-only
+        x = sent if rank == root else np.zeros(3)
+        assert pycoll.broadcast_(x, root=root, group=arg) is x
+        np.testing.assert_array_equal(x, np.arange(3.0))
+
+
 @pytest.mark.parametrize("op", ["Sum", "Average", "Max"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
 @pytest.mark.parametrize("rows", [0, 1, 7, 12])         # 12: even at 1-4 ranks (MPI's block call)

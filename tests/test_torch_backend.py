@@ -538,6 +538,21 @@ def test_a_world_larger_than_mpis_names_the_launcher(world):
         backend._create(options)
 
 
+def test_a_group_bound_to_a_device(world):
+    """init_process_group(device_id=...) and new_group(device_id=...), as torch advises on
+    GPUs: torch asks the group for its Backend on that device and whether it splits; a
+    ProcessGroup written in Python has none registered, and the call failed. (No GPU is
+    touched: torch only checks the device's index here.)"""
+    rank, size = world
+    bound = dist.new_group(list(range(size)), backend="pycoll",
+                           device_id=torch.device("cuda", 0))
+    assert bound._get_backend(torch.device("cuda")) is bound
+    x = torch.full((2,), float(rank))
+    dist.all_reduce(x, group=bound)
+    assert torch.equal(x, torch.full((2,), float(sum(range(size)))))
+    dist.destroy_process_group(bound)
+
+
 def test_pycoll_rendezvous_takes_rank_and_size_from_mpi(world):
     """pycoll:// gives every rank one shared store (the gloo groups beside pycoll's meet
     through it) and refuses a rank that is not MPI's, on every rank, before any MPI call."""

@@ -222,6 +222,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         cuda = [torch.device("cuda")] if torch.cuda.is_available() else []
         return [torch.device("cpu"), *cuda]
 
+    # torch asks a group for the Backend serving a device, and whether it splits
+    # (init_process_group(device_id=...) connects such a one at once). A ProcessGroup
+    # written in Python has no Backend registered: this one serves every device itself, and
+    # makes each new group's communicators with the group (torch binds the device to the
+    # group it replaces with this one, so it splits nothing: DeviceMesh uses new_group).
+    def _get_backend(self, device) -> "ProcessGroupPycoll":
+        return self
+
+    supports_splitting = False
+
     @property
     def _ranks(self) -> int:
         return self.group.size()

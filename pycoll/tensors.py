@@ -299,7 +299,8 @@ def views_of(flat, runs) -> list:
 def _has_buffer_protocol(x) -> bool:
     try:
         memoryview(x)
-    except (TypeError, ValueError):     # ValueError: numpy dtypes PEP 3118 cannot name
+    # ValueError: numpy dtypes PEP 3118 cannot name; BufferError: JAX's bfloat16 (DLPack's)
+    except (TypeError, ValueError, BufferError):
         return False
     return True
 
@@ -324,9 +325,33 @@ def _host_block(nbytes: int) -> np.ndarray:
     return np.frombuffer(_C.host_block(nbytes), np.uint8)
 
 
+def _maker(x):
+    """The module that makes results of ``x``'s kind (not torch's): numpy for numpy's and
+    for host arrays whose module makes none (JAX's, immutable: results are numpy arrays);
+    cupy and look-alikes for theirs."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np
+    module = sys.modules[type(x).__module__.split(".")[0]]
+    if hasattr(module, "empty"):
+        return module
+    if as_buffer(x).device != "cpu":
+        raise TypeError(f"pycoll cannot make a result like this {_describe(x)} (its module has "
+                        "no empty()): use the in-place form, or pass torch.from_dlpack(x)")
+    return np
+
+
+def _numpy_dtype_of(x) -> np.dtype:
+    """The dtype of numpy results for a foreign host array: its own where numpy knows it
+    (JAX's bfloat16 is ml_dtypes'), else its DLPack type's."""
+    try:
+        return np.dtype(x.dtype)
+    except (AttributeError, TypeError):
+        return np.dtype(as_buffer(x).dtype)
+
+
 def empty_like(x, shape, huge: int = HUGE_PAGED):
-    """A new uninitialized array of ``x``'s kind, dtype and device, with ``shape``; on
-    the host, from ``huge`` bytes, in a ``_C.host_block``."""
+    """A new uninitialized array of ``x``'s kind (``_maker``'s), dtype and device, with
+    ``shape``; on the host, from ``huge`` bytes, in a ``_C.host_block``."""
     x = as_array(x)
     if hasattr(x, "new_empty"):                                   # torch
         nbytes = math.prod(shape) * x.element_size()
@@ -334,13 +359,14 @@ def empty_like(x, shape, huge: int = HUGE_PAGED):
             torch = sys.modules["torch"]
             return torch.from_numpy(_host_block(nbytes)).view(x.dtype).view(tuple(shape))
         return x.new_empty(tuple(shape))
-    if isinstance(x, np.ndarray):
-        nbytes = math.prod(shape) * x.itemsize
+    module = _maker(x)
+    if module is np:
+        dtype = x.dtype if isinstance(x, np.ndarray) else _numpy_dtype_of(x)
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes >= huge:
-            return _host_block(nbytes).view(x.dtype).reshape(tuple(shape))
-        return np.empty(tuple(shape), dtype=x.dtype)
-    module = sys.modules[type(x).__module__.split(".")[0]]        # cupy and look-alikes
-    return module.empty(tuple(shape), dtype=x.dtype)
+            return _host_block(nbytes).view(dtype).reshape(tuple(shape))
+        return np.empty(tuple(shape), dtype=dtype)
+    return module.empty(tuple(shape), dtype=x.dtype)              # cupy and look-alikes
 
 
 def pieces(nbytes: int, itemsize: int = 1, limit: Optional[int] = None) -> List[Tuple[int, int]]:
@@ -363,10 +389,15 @@ def piece_bytes(itemsize: int = 1, limit: Optional[int] = None) -> int:
 def clone(x):
     """A copy of ``x`` of the same kind (the output of an out-of-place operation)."""
     x = as_array(x)
-    if hasattr(x, "clone"):                                       # torch
+    if hasattr(x, "new_empty"):                                   # torch
         return x.detach().clone()
-    if isinstance(x, np.generic):       # a numpy scalar: its copy would be read-only
+    if isinstance(x, (np.ndarray, np.generic)):     # a scalar's own copy is read-only
         return np.array(x)
+    if _maker(x) is np:             # a host array of a kind that makes none: its bytes
+        buf = as_buffer(x)
+        out = empty_like(x, buf.shape)
+        ctypes.memmove(out.ctypes.data, buf.ptr, buf.nbytes)
+        return out
     return x.copy()
 
 

@@ -408,6 +408,43 @@ def test_broadcast_bad_root(group):
         pycoll.broadcast(np.zeros(3), root=size, group=arg)
 
 
+class DLPackOnly:
+    """A host array known by DLPack alone, of a kind whose module makes no arrays (as
+    JAX's: its arrays are immutable, its module has no empty())."""
+
+    def __init__(self, host: np.ndarray):
+        self.host, self.dtype, self.shape = host, host.dtype, host.shape
+
+    def __dlpack__(self, **kwargs):
+        return self.host.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.host.__dlpack_device__()
+
+
+def test_results_of_a_kind_pycoll_cannot_make_are_numpy_arrays(group):
+    """Out-of-place results for a JAX-like array: numpy arrays, from every collective (it
+    failed with "module 'jaxlib' has no attribute 'empty'")."""
+    arg, rank, size = group
+    dtype, shape = "float32", (2 * size, 3)
+
+    def x():
+        return DLPackOnly(make(rank_input(dtype, shape, rank), dtype, "numpy"))
+    every = np.concatenate([rank_input(dtype, shape, r) for r in range(size)])
+    results = {"allreduce": (pycoll.allreduce(x(), op=pycoll.Sum, group=arg),
+                             expected_reduce(dtype, shape, size, "Sum")),
+               "allgather": (pycoll.allgather(x(), group=arg), every),
+               "broadcast": (pycoll.broadcast(x(), root=size - 1, group=arg),
+                             rank_input(dtype, shape, size - 1)),
+               "reduce_scatter": (pycoll.reduce_scatter(x(), op=pycoll.Sum, group=arg),
+                                  expected_reduce(dtype, shape, size, "Sum")[2 * rank:2 * rank + 2]),
+               "alltoall": (pycoll.alltoall(x(), group=arg)[0], every.reshape(size, 2 * size, 3)
+                            [:, 2 * rank:2 * rank + 2].reshape(-1, 3))}
+    for name, (got, expected) in results.items():
+        assert type(got) is np.ndarray, name
+        assert_matches(got, expected, dtype)
+
+
 def test_broadcast_root_only_reads(group):
     """The root only sends, as in MPI's Bcast: a read-only tensor there (a numpy scalar,
     bytes' view), in place too, works. The root alone refused them, and the other ranks

@@ -169,6 +169,53 @@ def test_avg_of_integers_truncates_as_nccl(groups, overlap, dtype):
         assert_same(root, expected[3])
 
 
+def test_wait_leaves_the_future_done(groups, overlap):
+    """Once wait() returns, get_future() is done with the result (gloo completes it first;
+    pycoll's callback thread did it just after, so .value() could fail)."""
+    ours, _, rank, size = groups
+    for _ in range(50):
+        work = dist.all_reduce(torch.ones(3), group=ours, async_op=True)
+        work.wait()
+        assert work.is_completed() and work.get_future().done()
+        assert torch.equal(work.get_future().value()[0], torch.full((3,), float(size)))
+
+
+def test_sparse_all_reduce_as_gloo(groups, overlap):
+    """Sparse tensors (DDP's gradients of sparse embeddings) sum as on gloo, coalesced, a
+    rank with none included; other ops are refused, as there."""
+    ours, gloo, rank, size = groups
+
+    def run(g):
+        indices = torch.tensor([[rank, rank + 1, rank + 1]] if rank else [[]], dtype=torch.long)
+        values = torch.arange(indices.shape[1] * 2.0).reshape(-1, 2) + rank
+        x = torch.sparse_coo_tensor(indices, values, (size + 2, 2))
+        dist.all_reduce(x, group=g)
+        assert x.is_coalesced()
+        return [x._indices(), x._values()]
+    assert_same(*both(groups, run))
+    with pytest.raises(ValueError, match="sparse tensors with SUM only"):
+        dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], (2,)), op=dist.ReduceOp.MAX,
+                        group=ours)
+
+
+def test_ddp_of_sparse_embeddings_matches_gloo(groups, overlap):
+    ours, gloo, rank, size = groups
+
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.EmbeddingBag(12, 4, sparse=True),
+                                    torch.nn.Linear(4, 1))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randint(0, 12, (5, 3), generator=g)).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(train(ours), train(gloo))
+
+
 def test_strided_tensors_as_gloo(groups, overlap):
     """all_reduce (one and coalesced), broadcast and reduce of non-contiguous tensors, which
     gloo takes: reduced through contiguous copies, written back."""

@@ -101,7 +101,7 @@ class PycollWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done is None or self._done.is_completed()
+        return self._future.done()          # completed after the operation, as below
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None
@@ -116,11 +116,16 @@ class PycollWork(dist.Work):
         if self._done is None:
             return self._future.value()
         try:
-            return self._done.wait(_seconds(timeout) or self._timeout)
+            value = self._done.wait(_seconds(timeout) or self._timeout)
         except pycoll.CollectiveTimeout as error:
             if self._on_timeout is not None:
                 self._on_timeout(error)
             raise
+        # A callback thread completes the future just after: once wait() returns, the
+        # future is done (gloo completes it first), so get_future().value() may follow.
+        if not self._future.done():
+            self._future.wait()
+        return value
 
     def _source_rank(self) -> int:
         """recv_anysource's sender (torch's Work API)."""
@@ -242,6 +247,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_allreduce(tensors, op)
         dense = _dense(tensors)
         core = api.core_op(op, dense)
 
@@ -256,6 +263,27 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         work = pycoll.grouped_allreduce_async_(dense, op=core, group=self.group,
                                                name="torch.allreduce")
         return self._complete([work], finish, "torch.allreduce")
+
+    def _sparse_allreduce(self, tensors, op):
+        """gloo's allreduce of sparse tensors (DDP's gradients of sparse embeddings): every
+        rank's indices and values gathered, added where they meet, coalesced into the
+        tensor; SUM only, as on gloo."""
+        if op is not pycoll.Sum or not all(t.is_sparse for t in tensors):
+            raise ValueError(f"the pycoll backend reduces sparse tensors with SUM only, not "
+                             f"with {op.name} nor beside dense tensors, as gloo")
+        works = []
+        for t in tensors:
+            t = t.coalesce()
+            works += [pycoll.allgather_async(t._indices().t().contiguous(), group=self.group,
+                                             name="torch.sparse_allreduce.indices"),
+                      pycoll.allgather_async(t._values().contiguous(), group=self.group,
+                                             name="torch.sparse_allreduce.values")]
+
+        def finish(results):
+            for t, indices, values in zip(tensors, results[0::2], results[1::2]):
+                t.copy_(torch.sparse_coo_tensor(indices.t(), values, t.shape).coalesce())
+            return list(tensors)
+        return self._complete(works, finish, "torch.sparse_allreduce")
 
     def reduce(self, tensors, opts=None):
         tensor = _one_tensor(tensors, "reduce")

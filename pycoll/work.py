@@ -75,8 +75,9 @@ class Work:
             if done is self._done:      # else the engine moved this Work to a later batch
                 break
         if not finished:
-            raise CollectiveTimeout(f"pycoll: {self.name} did not complete within {timeout:g} s; "
-                                    "a rank may have skipped it or died (PYCOLL_TIMEOUT sets the limit)")
+            raise CollectiveTimeout(f"pycoll: {self.name} did not complete within the timeout "
+                                    f"of {timeout:g} s; a rank may have skipped it or died "
+                                    "(PYCOLL_TIMEOUT sets the limit, or the torch group's timeout)")
         if self._error is not None:
             raise self._error
         return self._result

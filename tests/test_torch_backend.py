@@ -169,6 +169,24 @@ def test_avg_of_integers_truncates_as_nccl(groups, overlap, dtype):
         assert_same(root, expected[3])
 
 
+def test_results_reach_tensors_that_require_grad(groups, overlap):
+    """reduce and a strided all_reduce write into leaves that require grad, as gloo's do
+    (pycoll's reduce raised "a leaf Variable that requires grad ..."); all_gather's
+    outputs too, which gloo refuses."""
+    ours, _, rank, size = groups
+    x = torch.full((4,), float(rank + 1), requires_grad=True)
+    dist.reduce(x, dst=dist.get_global_rank(ours, 0), group=ours)
+    if rank == 0:
+        assert torch.equal(x.detach(), torch.full((4,), float(sum(range(1, size + 1)))))
+    outs = [torch.zeros(2, requires_grad=True) for _ in range(size)]
+    dist.all_gather(outs, torch.full((2,), float(rank)), group=ours)
+    assert [o[0].item() for o in outs] == list(range(size))
+    base = torch.ones(3, 2, requires_grad=True)
+    column = base.detach()[:, 0].requires_grad_()          # a strided leaf
+    dist.all_reduce(column, group=ours)
+    assert torch.equal(column.detach(), torch.full((3,), float(size)))
+
+
 def test_wait_leaves_the_future_done(groups, overlap):
     """Once wait() returns, get_future() is done with the result (gloo completes it first;
     pycoll's callback thread did it just after, so .value() could fail)."""

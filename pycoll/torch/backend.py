@@ -162,12 +162,16 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
+# Results are written into the caller's tensors through detach(): a write of the backend,
+# not an operation autograd records, so it reaches leaves that require grad, as gloo's
+# writes from C++ do.
+
 def _split_into(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
     """Copy consecutive pieces of ``flat`` into ``outputs`` (shapes from the outputs)."""
     offset = 0
     for out in outputs:
         n = out.numel()
-        out.copy_(flat[offset:offset + n].view(out.shape))
+        out.detach().copy_(flat[offset:offset + n].view(out.shape))
         offset += n
 
 
@@ -180,7 +184,7 @@ def _dense(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def _write_back(tensors: Sequence[torch.Tensor], dense: Sequence[torch.Tensor]) -> list:
     for t, d in zip(tensors, dense):
         if d is not t:
-            t.copy_(d)
+            t.detach().copy_(d)
     return list(tensors)
 
 
@@ -295,7 +299,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         def finish(results):
             if self.group.rank() == root:
-                tensor.copy_(self._finish_reduce(results[0], op, core))
+                tensor.detach().copy_(self._finish_reduce(results[0], op, core))
             return [tensor]
         return self._complete([work], finish, "torch.reduce")
 
@@ -334,7 +338,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         def finish(results):
             result = self._finish_reduce(results[0], op, core)
             if not direct:
-                output.copy_(result.view(output.shape))
+                output.detach().copy_(result.view(output.shape))
             return [output]
         return self._complete([work], finish, "torch.reduce_scatter")
 
@@ -368,7 +372,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         def finish(results):
             if not direct:
-                output.copy_(results[0].view(output.shape))
+                output.detach().copy_(results[0].view(output.shape))
             return [output]
         return self._complete([work], finish, "torch.all_gather_into_tensor")
 
@@ -433,7 +437,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 raise ValueError(f"all_to_all_single: expected rows {list(output_splits)} from "
                                  f"the ranks, received {list(received_splits)}")
             if received is not output:
-                output.copy_(received.view(output.shape))
+                output.detach().copy_(received.view(output.shape))
             return [output]
         return self._complete([work], finish, "torch.all_to_all_single")
 

@@ -34,6 +34,7 @@ communicator: a late message must never be taken for a later one's.
 """
 import atexit
 import datetime
+import operator
 import socket
 import threading
 import time
@@ -175,6 +176,9 @@ def _split_into(flat: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+_is_sparse = operator.attrgetter("is_sparse")
+
+
 def _dense(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """``tensors``, each strided one replaced by a contiguous copy (gloo takes strided
     tensors; pycoll reads contiguous memory): ``_write_back`` returns the results."""
@@ -251,22 +255,25 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        if any(t.is_sparse for t in tensors):
+        if any(map(_is_sparse, tensors)):
             return self._sparse_allreduce(tensors, op)
         dense = _dense(tensors)
-        core = api.core_op(op, dense)
-
-        def finish(_=None):
-            if core is not op:
-                for t in dense:
-                    self._finish_reduce(t, op, core)
-            return _write_back(tensors, dense)
+        # Every call of DDP and dist.all_reduce comes here: no work for ops other than AVG.
+        core = api.core_op(op, dense) if op is pycoll.Average else op
         if dense and not api.overlap_pays(dense[0]):
             pycoll.grouped_allreduce_(dense, op=core, group=self.group, name="torch.allreduce")
-            return _completed(finish())
+            return _completed(self._reduced(tensors, dense, op, core))
         work = pycoll.grouped_allreduce_async_(dense, op=core, group=self.group,
                                                name="torch.allreduce")
-        return self._complete([work], finish, "torch.allreduce")
+        return self._complete([work], lambda _: self._reduced(tensors, dense, op, core),
+                              "torch.allreduce")
+
+    def _reduced(self, tensors, dense, op, core) -> list:
+        """``tensors`` once ``dense`` holds their reduction by ``core``, run for ``op``."""
+        if core is not op:
+            for t in dense:
+                self._finish_reduce(t, op, core)
+        return _write_back(tensors, dense)
 
     def _sparse_allreduce(self, tensors, op):
         """gloo's allreduce of sparse tensors (DDP's gradients of sparse embeddings): every

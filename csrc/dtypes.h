@@ -19,13 +19,20 @@
 
 namespace pycoll {
 
-enum class DType : int { Float16, BFloat16, Float32, Float64, Int8, Int16, Int32, Int64, UInt8, Bool };
+// In the order of Python's tensors.DTYPES. float8 is moved, never computed on: no
+// reduction is defined for it (MPI has none, gloo moves none; cast to reduce).
+enum class DType : int {
+    Float16, BFloat16, Float32, Float64, Int8, Int16, Int32, Int64, UInt8, Bool,
+    UInt16, UInt32, UInt64, Float8E4M3FN, Float8E5M2
+};
 enum class Op : int { Sum, Min, Max, Prod, BAnd, BOr, BXor };
 
-constexpr const char* kDTypeNames[] = {"float16", "bfloat16", "float32", "float64", "int8",
-                                       "int16",   "int32",    "int64",   "uint8",  "bool"};
-constexpr size_t kDTypeSizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1, 1};
-static_assert(std::size(kDTypeNames) == std::size(kDTypeSizes) && std::size(kDTypeNames) == int(DType::Bool) + 1,
+constexpr const char* kDTypeNames[] = {"float16", "bfloat16", "float32", "float64",       "int8",
+                                       "int16",   "int32",    "int64",   "uint8",         "bool",
+                                       "uint16",  "uint32",   "uint64",  "float8_e4m3fn", "float8_e5m2"};
+constexpr size_t kDTypeSizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1, 1, 2, 4, 8, 1, 1};
+static_assert(std::size(kDTypeNames) == std::size(kDTypeSizes) &&
+                  std::size(kDTypeNames) == int(DType::Float8E5M2) + 1,
               "one name and one size for each DType");
 constexpr const char* kOpNames[] = {"sum", "min", "max", "prod", "band", "bor", "bxor"};
 static_assert(std::size(kOpNames) == int(Op::BXor) + 1, "one name for each Op");
@@ -132,6 +139,12 @@ template <class F> void dispatch_dtype(DType dt, F&& f) {
         case DType::Int64: return f(Tag<int64_t>{});
         case DType::UInt8: return f(Tag<uint8_t>{});
         case DType::Bool: return f(Tag<bool>{});  // sums saturate: or; products: and
+        case DType::UInt16: return f(Tag<uint16_t>{});
+        case DType::UInt32: return f(Tag<uint32_t>{});
+        case DType::UInt64: return f(Tag<uint64_t>{});
+        case DType::Float8E4M3FN:
+        case DType::Float8E5M2:
+            throw std::invalid_argument(std::string(name(dt)) + " is moved, not reduced: cast to bfloat16 or float32 first");
     }
     throw std::invalid_argument("bad dtype");
 }

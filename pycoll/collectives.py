@@ -32,7 +32,8 @@ _BOOL_OPS = {**_MPI_OPS, Sum: MPI.MAX, Product: MPI.MIN}
 _MPI_TYPES = {"float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T, "float32": MPI.FLOAT,
               "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
               "int32": MPI.INT32_T, "int64": MPI.INT64_T, "uint8": MPI.UINT8_T,
-              "bool": MPI.UINT8_T}
+              "bool": MPI.UINT8_T, "uint16": MPI.UINT16_T, "uint32": MPI.UINT32_T,
+              "uint64": MPI.UINT64_T, "float8_e4m3fn": MPI.BYTE, "float8_e5m2": MPI.BYTE}
 _half_ops: dict = {}
 
 

@@ -4,7 +4,7 @@ import enum
 
 import numpy as np
 
-from .tensors import FLOATS
+from .tensors import FLOAT8, FLOATS
 
 
 class ReduceOp(str, enum.Enum):
@@ -41,6 +41,10 @@ def kernel_op(op: ReduceOp) -> str:
 
 
 def check_reduction(op: ReduceOp, dtype: str) -> None:
+    if dtype in FLOAT8:
+        raise TypeError(f"{op.name.title().replace('_', '')} of {dtype} tensors is not "
+                        "defined: pycoll moves float8 (allgather, broadcast, alltoall, "
+                        "send/recv) but reduces none; cast to bfloat16 or float32 to reduce")
     if op in BITWISE and dtype in FLOATS:
         raise TypeError(f"{op.name.title().replace('_', '')} of {dtype} tensors is not "
                         "defined; bitwise reductions take integer and bool tensors")

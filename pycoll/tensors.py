@@ -19,22 +19,30 @@ from . import _C, config
 # The one dtype table. An index here is a dtype's code in the parameter server's messages:
 # add at the end, never reorder. bool is a byte of 0 or 1: reduced, Sum and Max are any
 # rank's True (logical or, as torch's gloo and NCCL backends give), Min and Product all.
+# float8 (NCCL's two) is moved, never reduced: no reduction is defined for it.
 DTYPES = ("float16", "bfloat16", "float32", "float64",
-          "int8", "int16", "int32", "int64", "uint8", "bool")
+          "int8", "int16", "int32", "int64", "uint8", "bool",
+          "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1}
+            "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "bool": 1,
+            "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 FLOATS = ("float16", "bfloat16", "float32", "float64")
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 
 # DLPack's (type code, bits) -> our dtype name; codes: 0 int, 1 uint, 2 float, 4 bfloat,
-# 6 bool.
+# 6 bool, 10 float8_e4m3fn, 12 float8_e5m2.
 _DLPACK_DTYPES = {(2, 16): "float16", (4, 16): "bfloat16", (2, 32): "float32",
                   (2, 64): "float64", (0, 8): "int8", (0, 16): "int16",
-                  (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8", (6, 8): "bool"}
-_NUMPY_DTYPES = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}
-try:
+                  (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8", (6, 8): "bool",
+                  (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+                  (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2"}
+_NUMPY_DTYPES = {np.dtype(name): name for name in DTYPES
+                 if name != "bfloat16" and name not in FLOAT8}
+try:                             # numpy has no bfloat16 or float8 of its own
     import ml_dtypes
-    _NUMPY_DTYPES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
-except ImportError:              # numpy has no bfloat16 of its own
+    _NUMPY_DTYPES.update({np.dtype(getattr(ml_dtypes, name)): name
+                          for name in ("bfloat16",) + FLOAT8})
+except ImportError:
     pass
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 

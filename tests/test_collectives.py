@@ -402,6 +402,43 @@ def test_bitwise_reductions(group, kind, dtype, fake_device):
         pycoll.allreduce(make(inputs[rank], "float32", kind), op=pycoll.BitwiseOr, group=arg)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_wide_unsigned_reduce_and_float8_moves(group, kind):
+    """uint16/32/64 reduce as MPI's unsigned types, beyond the signed range too, alone and
+    fused; float8 (ml_dtypes', torch's) moves bit for bit, NaN patterns included, as on
+    NCCL, and every reduction refuses it."""
+    arg, rank, size = group
+    host = (lambda a: a) if kind == "numpy" else torch.from_numpy
+    back = np.asarray if kind == "numpy" else (lambda t: t.numpy())
+    for dtype in ("uint16", "uint32", "uint64"):
+        top = np.iinfo(dtype).max
+        x = np.array([top - rank, rank, 1 + rank], dtype)
+        np.testing.assert_array_equal(back(pycoll.allreduce(host(x), op=pycoll.Max, group=arg)),
+                                      np.array([top, size - 1, size], dtype))
+        fused = pycoll.grouped_allreduce([host(np.full(5, 1 + rank, dtype)), host(x[1:])],
+                                         op=pycoll.Sum, group=arg)
+        total = size * (size + 1) // 2
+        np.testing.assert_array_equal(back(fused[0]), np.full(5, total, dtype))
+        np.testing.assert_array_equal(back(fused[1]), np.array([total - size, total], dtype))
+        with pytest.raises(TypeError, match=f"Average of {dtype} tensors would truncate"):
+            pycoll.allreduce(host(x), op=pycoll.Average, group=arg)
+    patterns = lambda r: ((np.arange(2 * size) * 37 + r * 11) % 256).astype(np.uint8)  # noqa: E731
+    for name in tensors.FLOAT8:
+        x = (patterns(rank).view(getattr(ml_dtypes, name)) if kind == "numpy"
+             else torch.from_numpy(patterns(rank)).view(getattr(torch, name)))
+        bits = (lambda y: np.asarray(y).view(np.uint8)) if kind == "numpy" else \
+            (lambda y: y.view(torch.uint8).numpy())
+        np.testing.assert_array_equal(bits(pycoll.allgather(x, group=arg)),
+                                      np.concatenate([patterns(r) for r in range(size)]))
+        np.testing.assert_array_equal(bits(pycoll.broadcast(x, root=size - 1, group=arg)),
+                                      patterns(size - 1))
+        np.testing.assert_array_equal(bits(pycoll.alltoall(x, group=arg)[0]),
+                                      np.concatenate([patterns(r)[2 * rank:2 * rank + 2]
+                                                      for r in range(size)]))
+        with pytest.raises(TypeError, match=f"Sum of {name} tensors is not defined.*cast"):
+            pycoll.allreduce(x, op=pycoll.Sum, group=arg)
+
+
 def test_broadcast_bad_root(group):
     arg, rank, size = group
     with pytest.raises(ValueError, match="root must be a rank"):

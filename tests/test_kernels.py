@@ -20,6 +20,9 @@ DTYPES = {
     "int32": np.dtype(np.int32),
     "int64": np.dtype(np.int64),
     "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),     # numpy's add and multiply of bools are or and and, as pycoll's
 }
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
@@ -30,7 +33,7 @@ OFFSETS = [(0, 0), (1, 3)]  # byte offsets of (inout/dst, src): aligned, and odd
 
 def arith(dtype):
     """The type pycoll does arithmetic in: float32 for 16-bit floats, else the dtype."""
-    return np.dtype(np.float32) if dtype.itemsize == 2 and dtype.kind != "i" else dtype
+    return np.dtype(np.float32) if dtype.itemsize == 2 and dtype.kind not in "iu" else dtype
 
 
 def place(arr, offset):
@@ -106,6 +109,10 @@ def test_bad_names():
         _C.scale(ptr(a), 4, "int8", 2.0)
     with pytest.raises(ValueError, match="float8"):
         _C.unpack(ptr(a), [ptr(a)], [16], "float8")
+    for name in ("float8_e4m3fn", "float8_e5m2"):     # moved by the collectives, never reduced
+        assert _C.itemsize(name) == 1
+        with pytest.raises(ValueError, match=f"{name} is moved, not reduced: cast"):
+            _C.reduce(ptr(a), ptr(a), 4, name, "sum")
 
 
 def test_count_zero_is_noop_with_null_pointers():
@@ -135,7 +142,8 @@ def test_reduce(name, op, n, offsets):
 
 @pytest.mark.parametrize("op, reference", [("band", np.bitwise_and), ("bor", np.bitwise_or),
                                            ("bxor", np.bitwise_xor)])
-@pytest.mark.parametrize("name", ["int8", "int16", "int32", "int64", "uint8", "bool"])
+@pytest.mark.parametrize("name", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                                  "uint64", "bool"])
 def test_bitwise_reduce(name, op, reference):
     a, b = random(name, 1023, 1), random(name, 1023, 2)
     inout = place(a, 1)

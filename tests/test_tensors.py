@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32",
-                                   "int64", "uint8"])
+                                   "int64", "uint8", "uint16", "uint32", "uint64"])
 def test_numpy_torch_and_cuda_interface_agree(dtype):
     a = np.arange(12).astype(dtype).reshape(3, 4)
     t = torch.from_numpy(a)
@@ -29,6 +29,23 @@ def test_bfloat16_from_torch_and_ml_dtypes():
     a = np.zeros(5, ml_dtypes.bfloat16)
     assert as_buffer(t).dtype == as_buffer(a).dtype == "bfloat16"
     assert as_buffer(t).nbytes == as_buffer(a).nbytes == 10
+
+
+@pytest.mark.parametrize("name", tensors.FLOAT8)
+def test_float8_from_torch_ml_dtypes_and_dlpack(name):
+    t = torch.zeros(5, dtype=getattr(torch, name))
+    a = np.zeros(5, getattr(ml_dtypes, name))
+    for x in (t, a, DLPackOnly(t)):
+        buf = as_buffer(x)
+        assert (buf.dtype, buf.nbytes, buf.shape) == (name, 5, (5,))
+
+
+class DLPackOnly:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __dlpack__(self, **kwargs):
+        return self.inner.__dlpack__(**kwargs)
 
 
 def test_views_with_offsets_and_torch_requires_grad():
@@ -70,9 +87,10 @@ def fakegpu_view():
 
 
 @pytest.mark.parametrize("x", [np.zeros(3, np.complex64), torch.zeros(3, dtype=torch.complex64),
-                               np.zeros(3, np.uint16), torch.zeros(3, dtype=torch.uint16)])
+                               np.zeros(3, np.longdouble),
+                               torch.zeros(3, dtype=torch.float8_e4m3fnuz)])
 def test_unsupported_dtype_names_the_supported_ones(x):
-    with pytest.raises(TypeError, match="supported: float16.*uint8, bool"):
+    with pytest.raises(TypeError, match="supported: float16.*uint8, bool.*float8_e5m2"):
         as_buffer(x)
 
 

@@ -137,26 +137,28 @@ def test_all_reduce_avg_and_async_future(groups, overlap):
     torch.testing.assert_close(result, total / size)
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.uint16,
+                                   torch.uint32, torch.uint64])
 def test_avg_of_integers_truncates_as_nccl(groups, overlap, dtype):
     """AVG of integer tensors (Lightning's ``sync_dist`` averages its int64 batch sizes on
     every backend but gloo): the SUM divided by the ranks, truncated toward zero, as NCCL's;
-    in all_reduce, all_reduce_coalesced, reduce and reduce_scatter_tensor. gloo has no AVG:
-    its SUM, divided, is the reference."""
+    in all_reduce, all_reduce_coalesced, reduce and reduce_scatter_tensor, for the unsigned
+    types torch cannot divide too. gloo has no AVG (nor uint16/32/64): every rank's input,
+    summed in int64 and divided, is the reference."""
     ours, gloo, rank, size = groups
 
-    def data(shape, seed):
-        x = values(rank, shape, seed=seed) * (3 * rank + 1)
+    def data(shape, seed, r=rank):
+        x = values(r, shape, seed=seed) * (3 * r + 1)
         if dtype.is_signed:
             x.view(-1)[::2] *= -1               # truncation toward zero, not down
         return x.to(dtype)
 
-    def reference(x):
-        total = x.clone()
-        dist.all_reduce(total, group=gloo)
-        return total.div(size, rounding_mode="trunc")
-    x, y, w, z = data((6,), 0), data((4,), 1), data((3,), 3), data((2 * size, 2), 2)
-    expected = [reference(t) for t in (x, y, w, z)]
+    def reference(shape, seed):
+        total = sum(data(shape, seed, r).to(torch.int64) for r in range(size))
+        return total.div(size, rounding_mode="trunc").to(dtype)
+    specs = [((6,), 0), ((4,), 1), ((3,), 3), ((2 * size, 2), 2)]
+    x, y, w, z = (data(*spec) for spec in specs)
+    expected = [reference(*spec) for spec in specs]
     root = z.clone()
     scattered = torch.empty(2, 2, dtype=dtype)
     avg = dist.ReduceOp.AVG
@@ -335,6 +337,69 @@ def test_reduce_scatter_and_tensor(groups):
         dist.reduce_scatter_tensor(single, values(rank, (2 * size, 2), seed=9), group=g)
         return [out, single]
     assert_same(*both(groups, run))
+
+
+def test_complex_reductions_as_gloo(groups):
+    """reduce and reduce_scatter of complex tensors (torch hands all_reduce's over as
+    real views itself): summed as their real and imaginary parts, as gloo; other ops
+    are refused."""
+    ours, _, rank, size = groups
+
+    def data(shape, seed):
+        return torch.complex(values(rank, shape, seed=seed), values(rank, shape, seed=seed + 50))
+
+    def run(g):
+        single = torch.empty(2, dtype=torch.complex64)
+        dist.reduce_scatter_tensor(single, data((2 * size,), 1), group=g)
+        strided = torch.empty(2, 2, dtype=torch.complex64)[:, 0]
+        dist.reduce_scatter_tensor(strided, data((2 * size,), 2), group=g)
+        root = data((3,), 3).to(torch.complex128)
+        dist.reduce(root, dst=dist.get_global_rank(g, 0), group=g)
+        return [single, strided] + ([root] if rank == 0 else [])
+    assert_same(*both(groups, run))
+    averaged = torch.empty(2, dtype=torch.complex64)
+    dist.reduce_scatter(averaged, list(data((2 * size,), 4).chunk(size)), op=dist.ReduceOp.AVG,
+                        group=ours)
+    total = torch.zeros(2 * size, dtype=torch.complex64)
+    for r in range(size):
+        total += torch.complex(values(r, (2 * size,), seed=4), values(r, (2 * size,), seed=54))
+    assert torch.allclose(averaged, total[2 * rank:2 * rank + 2] / size)
+    with pytest.raises(ValueError, match="complex tensors with SUM or AVG only, not PRODUCT"):
+        dist.reduce_scatter(averaged, list(data((2 * size,), 4).chunk(size)),
+                            op=dist.ReduceOp.PRODUCT, group=ours)
+    dist.barrier(group=ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16,
+                                   torch.uint32, torch.uint64])
+def test_float8_and_wide_unsigned_move_as_on_nccl(groups, dtype):
+    """float8 (FSDP2's float8 all-gather) and uint16/32/64 move bit for bit through
+    all_gather, broadcast, all_to_all and send/recv, as on NCCL (gloo moves none of them);
+    float8 is not reduced."""
+    ours, _, rank, size = groups
+    mine = lambda r: values(r, (2 * size,), seed=7).to(dtype)      # noqa: E731
+    bits = lambda t: t.view(torch.uint8)                            # noqa: E731
+    gathered = torch.empty(2 * size * size, dtype=dtype)
+    dist.all_gather_into_tensor(gathered, mine(rank), group=ours)
+    assert torch.equal(bits(gathered), bits(torch.cat([mine(r) for r in range(size)])))
+    sent = mine(rank)
+    dist.broadcast(sent, src=dist.get_global_rank(ours, size - 1), group=ours)
+    assert torch.equal(bits(sent), bits(mine(size - 1)))
+    swapped = torch.empty(2 * size, dtype=dtype)
+    dist.all_to_all_single(swapped, mine(rank), group=ours)
+    assert torch.equal(bits(swapped),
+                       bits(torch.cat([mine(r)[2 * rank:2 * rank + 2] for r in range(size)])))
+    if size > 1:
+        got = torch.empty(2 * size, dtype=dtype)
+        if rank == 0:
+            dist.send(mine(0), group_dst=1, group=ours)
+        elif rank == 1:
+            dist.recv(got, group_src=0, group=ours)
+            assert torch.equal(bits(got), bits(mine(0)))
+    if dtype.is_floating_point:
+        with pytest.raises(TypeError, match="Sum of float8.* is not defined.*cast"):
+            dist.all_reduce(mine(rank), group=ours)
+    dist.barrier(group=ours)
 
 
 def test_all_to_all_single(groups):

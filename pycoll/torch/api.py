@@ -516,12 +516,18 @@ def core_op(op, tensors) -> "pycoll.ReduceOp":
     return op
 
 
+# Unsigned dtypes torch cannot divide ("div_trunc_cpu" not implemented).
+_NO_DIVISION = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def finish_reduce(out: torch.Tensor, op, core, postscale: float, n: int) -> torch.Tensor:
     """The postscale, and Average where pycoll ran a Sum (``core_op``): Horovod's
     integer Average is the sum divided by the ranks, truncated toward zero."""
     if op is Average and core is Sum:
         if out.is_floating_point():
             out.div_(n)
+        elif out.dtype in _NO_DIVISION:     # unsigned: truncation is numpy's floor
+            return out.copy_(torch.from_numpy(out.cpu().numpy() // n))
         elif postscale == 1.0:
             return out.copy_(torch.div(out, n, rounding_mode="trunc"))
         else:

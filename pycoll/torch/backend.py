@@ -192,6 +192,18 @@ def _write_back(tensors: Sequence[torch.Tensor], dense: Sequence[torch.Tensor]) 
     return list(tensors)
 
 
+def _as_real(tensor: torch.Tensor, op) -> torch.Tensor:
+    """``tensor``, or a complex one's real view: complex numbers are reduced as their real
+    and imaginary parts, which is right for SUM and AVG only (torch's all_reduce's rule,
+    and gloo's reduce and reduce_scatter give the same)."""
+    if not tensor.is_complex():
+        return tensor
+    if op not in (pycoll.Sum, pycoll.Average):
+        raise ValueError(f"the pycoll backend reduces complex tensors with SUM or AVG "
+                         f"only, not {op.name}, as torch's all_reduce")
+    return torch.view_as_real(tensor)
+
+
 def _one_tensor(tensors, what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"the pycoll backend's {what} takes one tensor per process, "
@@ -300,13 +312,15 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         tensor = _one_tensor(tensors, "reduce")
         op, root = reduce_op(opts.reduceOp), opts.rootRank
         check_root(root, self.group)
-        core = api.core_op(op, [tensor])
-        work = pycoll.allreduce_async(tensor.contiguous(), op=core, group=self.group,
-                                      name="torch.reduce")
+        real = _as_real(tensor.contiguous(), op)
+        core = api.core_op(op, [real])
+        work = pycoll.allreduce_async(real, op=core, group=self.group, name="torch.reduce")
 
         def finish(results):
             if self.group.rank() == root:
-                tensor.detach().copy_(self._finish_reduce(results[0], op, core))
+                result = self._finish_reduce(results[0], op, core)
+                tensor.detach().copy_(torch.view_as_complex(result) if tensor.is_complex()
+                                      else result)
             return [tensor]
         return self._complete([work], finish, "torch.reduce")
 
@@ -336,16 +350,20 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return works[-1] if works else self.barrier()
 
     def _reduce_scatter(self, output, rows, op):
-        direct = output.is_contiguous()     # straight into torch's output: no copy
+        # Straight into torch's output where it is contiguous: no copy.
+        dest = output if output.is_contiguous() else torch.empty_like(
+            output, memory_format=torch.contiguous_format)
+        out = dest
+        if rows.is_complex():
+            rows, out = _as_real(rows.contiguous(), op).view(self._ranks, -1), _as_real(dest, op)
         core = api.core_op(op, [rows])
         work = pycoll.reduce_scatter_async(rows.contiguous(), op=core, group=self.group,
-                                           name="torch.reduce_scatter",
-                                           out=output if direct else None)
+                                           name="torch.reduce_scatter", out=out)
 
         def finish(results):
-            result = self._finish_reduce(results[0], op, core)
-            if not direct:
-                output.detach().copy_(result.view(output.shape))
+            self._finish_reduce(results[0], op, core)
+            if dest is not output:
+                output.detach().copy_(dest)
             return [output]
         return self._complete([work], finish, "torch.reduce_scatter")
 

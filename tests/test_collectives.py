@@ -402,14 +402,16 @@ def test_bitwise_reductions(group, kind, dtype, fake_device):
         pycoll.allreduce(make(inputs[rank], "float32", kind), op=pycoll.BitwiseOr, group=arg)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
-def test_wide_unsigned_reduce_and_float8_moves(group, kind):
+@pytest.mark.parametrize("kind", ["numpy", "torch", "fake_cuda"])
+def test_wide_unsigned_reduce_and_float8_moves(group, kind, fake_device):
     """uint16/32/64 reduce as MPI's unsigned types, beyond the signed range too, alone and
     fused; float8 (ml_dtypes', torch's) moves bit for bit, NaN patterns included, as on
     NCCL, and every reduction refuses it."""
     arg, rank, size = group
-    host = (lambda a: a) if kind == "numpy" else torch.from_numpy
-    back = np.asarray if kind == "numpy" else (lambda t: t.numpy())
+    host = {"numpy": lambda a: a, "torch": torch.from_numpy,
+            "fake_cuda": fakegpu.FakeCudaArray}[kind]
+    back = {"numpy": np.asarray, "torch": lambda t: t.numpy(),
+            "fake_cuda": lambda f: f.get()}[kind]
     for dtype in ("uint16", "uint32", "uint64"):
         top = np.iinfo(dtype).max
         x = np.array([top - rank, rank, 1 + rank], dtype)
@@ -422,6 +424,8 @@ def test_wide_unsigned_reduce_and_float8_moves(group, kind):
         np.testing.assert_array_equal(back(fused[1]), np.array([total - size, total], dtype))
         with pytest.raises(TypeError, match=f"Average of {dtype} tensors would truncate"):
             pycoll.allreduce(host(x), op=pycoll.Average, group=arg)
+    if kind == "fake_cuda":
+        return                  # __cuda_array_interface__ has no float8 typestr (torch's: DLPack)
     patterns = lambda r: ((np.arange(2 * size) * 37 + r * 11) % 256).astype(np.uint8)  # noqa: E731
     for name in tensors.FLOAT8:
         x = (patterns(rank).view(getattr(ml_dtypes, name)) if kind == "numpy"

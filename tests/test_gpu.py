@@ -57,6 +57,26 @@ def test_allreduce(group, dtype, op, shape):
     assert_matches(host(x), expected, dtype)
 
 
+def test_wide_unsigned_and_float8_gpu_tensors(group):
+    """uint32/64 reduced and float8 moved from GPU memory, as on the host (the staging
+    path; the CUDA kernels' unsigned reductions where they run); float8 is not reduced."""
+    arg, rank, size = group
+    for dtype in (torch.uint32, torch.uint64):
+        top = 2 ** (8 * dtype.itemsize) - 1
+        x = torch.tensor([top - rank, rank], dtype=dtype).cuda()
+        assert host(pycoll.allreduce(x, op=pycoll.Max, group=arg)).tolist() == [top, size - 1]
+        fused = pycoll.grouped_allreduce([x, x[1:]], op=pycoll.Sum, group=arg)
+        assert host(fused[1]).tolist() == [size * (size - 1) // 2]
+    patterns = lambda r: ((torch.arange(2 * size) * 37 + r * 11) % 256).to(torch.uint8)  # noqa: E731
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = patterns(rank).cuda().view(dtype)
+        got = pycoll.allgather(x, group=arg)
+        assert torch.equal(host(got).view(torch.uint8),
+                           torch.cat([patterns(r) for r in range(size)]))
+        with pytest.raises(TypeError, match="is not defined.*cast"):
+            pycoll.allreduce(x, op=pycoll.Sum, group=arg)
+
+
 @pytest.mark.parametrize("op", ["Sum", "Average"])
 @pytest.mark.parametrize("chunk", [None, 4096], ids=["default-chunk", "4KiB-chunks"])
 def test_large_and_fused_allreduces(settings, group, op, chunk, monkeypatch):

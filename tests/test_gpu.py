@@ -67,7 +67,8 @@ def test_wide_unsigned_and_float8_gpu_tensors(group):
         assert host(pycoll.allreduce(x, op=pycoll.Max, group=arg)).tolist() == [top, size - 1]
         fused = pycoll.grouped_allreduce([x, x[1:]], op=pycoll.Sum, group=arg)
         assert host(fused[1]).tolist() == [size * (size - 1) // 2]
-    patterns = lambda r: ((torch.arange(2 * size) * 37 + r * 11) % 256).to(torch.uint8)  # noqa: E731
+    def patterns(r):
+        return ((torch.arange(2 * size) * 37 + r * 11) % 256).to(torch.uint8)
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         x = patterns(rank).cuda().view(dtype)
         got = pycoll.allgather(x, group=arg)

@@ -356,7 +356,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             output, memory_format=torch.contiguous_format)
         out = dest
         if rows.is_complex():
-            rows, out = _as_real(rows.contiguous(), op).view(self._ranks, -1), _as_real(dest, op)
+            rows = _as_real(rows.contiguous(), op).view(self._ranks, -1)
+            out = _as_real(dest, op)
         core = api.core_op(op, [rows])
         work = pycoll.reduce_scatter_async(rows.contiguous(), op=core, group=self.group,
                                            name="torch.reduce_scatter", out=out)

@@ -76,8 +76,11 @@ def _describe(x) -> str:
 
 def _check_dtype(name: str, x) -> str:
     if name not in ITEMSIZE:
+        fix = ("Pass its real view (numpy: x.view(x.real.dtype), torch: "
+               "torch.view_as_real(x)), right for Sum, Average and the collectives that "
+               "move data" if "complex" in name else "Cast the tensor first")
         raise TypeError(f"pycoll does not support dtype {name} (of a {_describe(x)}); "
-                        f"supported: {', '.join(DTYPES)}. Cast the tensor first.")
+                        f"supported: {', '.join(DTYPES)}. {fix}.")
     return name
 
 

@@ -94,6 +94,13 @@ def test_unsupported_dtype_names_the_supported_ones(x):
         as_buffer(x)
 
 
+def test_complex_is_refused_with_its_real_view():
+    for x in (np.zeros(3, np.complex64), torch.zeros(3, dtype=torch.complex128)):
+        with pytest.raises(TypeError, match=r"x.view\(x.real.dtype\).*torch.view_as_real"):
+            as_buffer(x)
+    assert as_buffer(np.zeros(3, np.complex64).view(np.float32)).count == 6
+
+
 @pytest.mark.parametrize("x", [np.ones(3, ">f4"), np.ones(3, ">i8"),
                                fakegpu.FakeCudaArray(np.ones(3, ">f8"))])
 def test_swapped_byte_order_is_refused(x):

@@ -354,13 +354,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         # Straight into torch's output where it is contiguous: no copy.
         dest = output if output.is_contiguous() else torch.empty_like(
             output, memory_format=torch.contiguous_format)
-        out = dest
-        if rows.is_complex():
-            rows = _as_real(rows.contiguous(), op).view(self._ranks, -1)
-            out = _as_real(dest, op)
+        rows = _as_real(rows.contiguous(), op).view(self._ranks, -1)
         core = api.core_op(op, [rows])
-        work = pycoll.reduce_scatter_async(rows.contiguous(), op=core, group=self.group,
-                                           name="torch.reduce_scatter", out=out)
+        work = pycoll.reduce_scatter_async(rows, op=core, group=self.group,
+                                           name="torch.reduce_scatter",
+                                           out=_as_real(dest, op))
 
         def finish(results):
             self._finish_reduce(results[0], op, core)

@@ -58,8 +58,10 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
+import numpy as np
+
 from . import _C, config, timeline
-from .work import lazy
+from .work import CollectiveTimeout, lazy, wait_requests
 
 log = logging.getLogger("pycoll")
 
@@ -287,7 +289,7 @@ def group(comm, members: Optional[tuple] = None):
     if found is None or found.owner is not comm:
         from mpi4py import MPI
         if members is None:
-            cid = comm.allreduce(_next_cid, op=MPI.MAX)
+            cid = _agreed_id(comm)
             _next_cid = cid + 1
             ranks = _world_ranks(comm, range(comm.Get_size()))
         else:
@@ -295,6 +297,27 @@ def group(comm, members: Optional[tuple] = None):
             cid = -1 - (hash(tuple(ranks)) & (2**61 - 1))
         found = _groups[key] = _C.PaceGroup(cid, ranks, MPI.COMM_WORLD.Get_rank(), comm)
     return found
+
+
+_unanswered: list = []         # (request, buffers) of agreements past their deadline
+
+
+def _agreed_id(comm) -> int:
+    """The largest ``_next_cid`` of ``comm``'s members: an allreduce polled to the deadline
+    (PYCOLL_TIMEOUT), not a blocking call, which a member that never comes would hold
+    forever, and mpi4py's first pickled one with the GIL, so that no wait of this
+    process could time out."""
+    from mpi4py import MPI
+    mine, agreed = np.array([_next_cid], np.int64), np.empty(1, np.int64)
+    request = comm.Iallreduce(mine, agreed, op=MPI.MAX)
+    timeout = config.get("timeout")
+    if wait_requests([request], timeout):
+        _unanswered.append((request, mine, agreed))      # MPI may still write there
+        raise CollectiveTimeout(
+            f"pycoll: the first collective paced by --link on a group of {comm.Get_size()} "
+            f"ranks: not every rank joined within {timeout:g} s (PYCOLL_TIMEOUT); they "
+            "skipped this collective, are stuck elsewhere, or died")
+    return int(agreed[0])
 
 
 def enter(kind: str, comm, nbytes: int, issued: float = math.inf,

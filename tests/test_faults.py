@@ -254,6 +254,34 @@ def test_a_torch_groups_timeout_is_pycolls_and_waits_hold_their_deadline(tmp_pat
            "the timeout of 1 s" in text, text
 
 
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_paced_collective_one_rank_skips_times_out_on_time(tmp_path, check):
+    """Under --link a group's first collective agrees on the group's id for the pacing: a
+    rank alone there waits with a deadline and the GIL free, so that its wait(timeout)
+    raises on time (a blocking agreement held the GIL and hung the process: torch's suite's
+    barrier timeout as gloo under a link), and the agreement's own deadline names it."""
+    code, text = job(tmp_path, """
+        pair = pycoll.new_group([0, 1])
+        if rank == 0:
+            work = pycoll.barrier_async(group=pair, name="alone")
+            start = time.monotonic()
+            for timeout in (1, None):
+                try:
+                    work.wait(timeout)
+                except pycoll.CollectiveTimeout as error:
+                    print(f"rank 0 timed out after {time.monotonic() - start:.0f} s: {error}",
+                          flush=True)
+        total = pycoll.allreduce(np.ones(2), op=pycoll.Sum)
+        print(f"rank {rank} then: {total[0]:g}", flush=True)
+    """, ranks=2, PYCOLL_CHECK=check, PYCOLL_LINK="50us,1.25GB/s")
+    assert code == 0, text
+    assert "rank 0 timed out after 1 s: pycoll: alone did not complete within the timeout " \
+           "of 1 s" in text, text
+    assert "rank 0 timed out after 4 s: pycoll: the first collective paced by --link on a " \
+           "group of 2 ranks: not every rank joined within 4 s" in text, text
+    assert "rank 0 then: 2" in text and "rank 1 then: 2" in text
+
+
 def test_group_generator_names_a_worker_that_never_leaves(tmp_path):
     code, text = job(tmp_path, """
         from pycoll.decentral import GroupGenerator

@@ -47,7 +47,7 @@ test: install
 	done
 	echo "== multi-rank tests at 3 ranks over TCP (btl tcp,self), default configuration"
 	OMPI_MCA_btl=tcp,self PYCOLL_CHECK=0 $(RUN) -np 3 python $(PYTEST) -q --with-mpi -m mpi tests
-	for as in pycoll mpi; do \
+	for as in pycoll mpi gloo; do \
 	  echo "== torch's own distributed suite at 3 ranks, pycoll as the $$as backend"; \
 	  PYCOLL_TORCH_SUITE_AS=$$as $(RUN) -np 3 python $(PYTEST) -q --timeout 300 -W ignore::DeprecationWarning \
 	    tools/torch_suite.py || exit 1; \

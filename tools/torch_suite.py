@@ -14,10 +14,12 @@ barrier between tests becomes MPI's, and a rank's ``sys.exit`` with one of the s
 skip codes (as its harness reads them from a forked rank) is that test's skip.
 
 The suite gates many tests by backend name (all_to_all "only MPI", groups of ranks 1
-and 2 only for MPI below 8 ranks). ``PYCOLL_TORCH_SUITE_AS=mpi`` runs it as it tests
-torch's own MPI backend, with pycoll's process group in its place, but for
-``test_get_backend``, which compares the name. The suite assumes 2 ranks or more, 3 as
-an MPI backend; torch runs it at 3. It needs ``expecttest`` (requirements-dev.txt), which
+and 2 only for MPI below 8 ranks; the coalesced collectives, sparse allreduce, barrier
+timeouts and ``no_sync`` "only gloo"). ``PYCOLL_TORCH_SUITE_AS=mpi`` (or ``gloo``) runs it
+as it tests torch's own MPI (or gloo) backend, with pycoll's process group in its place,
+but for ``test_get_backend``, which compares the name, and, as gloo, the
+``monitored_barrier`` tests: torch runs that call on its own gloo process group only.
+The suite assumes 2 ranks or more, 3 as an MPI backend; torch runs it at 3. It needs ``expecttest`` (requirements-dev.txt), which
 torch's test utilities import.
 """
 import atexit
@@ -37,8 +39,8 @@ import pycoll.torch  # noqa: F401  (registers the backend)
 
 _world = MPI.COMM_WORLD
 _AS = os.environ.get("PYCOLL_TORCH_SUITE_AS", "pycoll")
-if _AS not in ("pycoll", "mpi"):
-    pytest.exit(f"PYCOLL_TORCH_SUITE_AS is pycoll (the default) or mpi, not {_AS!r}", 4)
+if _AS not in ("pycoll", "mpi", "gloo"):
+    pytest.exit(f"PYCOLL_TORCH_SUITE_AS is pycoll (the default), mpi or gloo, not {_AS!r}", 4)
 _LEAST = 3 if _AS == "mpi" else 2      # the suite's own assumptions (its groups: ranks 1, 2)
 if _world.size < _LEAST:
     pytest.exit(f"the suite tests the {_AS} backend at {_LEAST} or more ranks; this job has "
@@ -82,8 +84,8 @@ class TestPycoll(TestCase, DistributedTest._DistTestBase):
     def _barrier(self, *args, **kwargs):
         _world.Barrier()
 
-    if _AS == "mpi":
-        @unittest.skip("it compares dist.get_backend() with 'mpi'; pycoll's is 'pycoll'")
+    if _AS != "pycoll":
+        @unittest.skip(f"it compares dist.get_backend() with {_AS!r}; pycoll's is 'pycoll'")
         def test_get_backend(self):
             pass
 
@@ -95,6 +97,14 @@ class TestPycoll(TestCase, DistributedTest._DistTestBase):
             if reason is None:
                 raise
             raise unittest.SkipTest(reason) from None
+
+
+if _AS == "gloo":
+    for _name in dir(TestPycoll):
+        if _name.startswith("test_monitored_barrier"):
+            setattr(TestPycoll, _name, unittest.skip(
+                "torch's monitored_barrier runs on its own gloo process group only")(
+                    getattr(TestPycoll, _name)))
 
 
 if __name__ == "__main__":

@@ -185,7 +185,8 @@ KNOBS = {k.name: k for k in (
          "most urgent first (the requests' priority); 0: each goes when answered"),
     Knob("timeline", None, lambda text: str(text) or None,
          "PATH: write a Chrome trace (Perfetto, chrome://tracing) of every operation on "
-         "every rank to PATH at exit"),
+         "every rank to PATH at exit",
+         horovod="HOROVOD_TIMELINE"),
     Knob("timeline_steps", None, parse_steps,
          "A-B: record the timeline from step A to step B only (steps end at "
          "pycoll.timeline.step(); DistributedOptimizer and ps.TorchWorker call it); "

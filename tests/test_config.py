@@ -33,8 +33,10 @@ def test_horovods_variables_where_pycolls_are_unset(monkeypatch):
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3.5")
     monkeypatch.setenv("PYCOLL_CYCLE_TIME_MS", "0")
     monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1")
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/horovod-timeline.json")
     config.reload()
     assert config.get("fusion_threshold") == 32 * 2**20
+    assert config.get("timeline") == "/tmp/horovod-timeline.json"
     assert config.get("cycle_time_ms") == 0.0                 # PYCOLL_'s comes first
     with pytest.raises(ValueError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='-1': expected"):
         config.get("stall_warning_s")

@@ -262,6 +262,7 @@ def test_a_paced_collective_one_rank_skips_times_out_on_time(tmp_path, check):
     barrier timeout as gloo under a link), and the agreement's own deadline names it."""
     code, text = job(tmp_path, """
         pair = pycoll.new_group([0, 1])
+        pycoll.allreduce(np.ones(2))            # the world's pacing, agreed by both
         if rank == 0:
             work = pycoll.barrier_async(group=pair, name="alone")
             start = time.monotonic()
@@ -271,6 +272,8 @@ def test_a_paced_collective_one_rank_skips_times_out_on_time(tmp_path, check):
                 except pycoll.CollectiveTimeout as error:
                     print(f"rank 0 timed out after {time.monotonic() - start:.0f} s: {error}",
                           flush=True)
+        else:
+            time.sleep(6)                       # meets rank 0 after its 1 s and 4 s waits
         total = pycoll.allreduce(np.ones(2), op=pycoll.Sum)
         print(f"rank {rank} then: {total[0]:g}", flush=True)
     """, ranks=2, PYCOLL_CHECK=check, PYCOLL_LINK="50us,1.25GB/s")

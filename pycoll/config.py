@@ -114,6 +114,13 @@ def parse_steps(text) -> Optional[tuple]:
     return first, last
 
 
+def _timeline_path(text) -> Optional[str]:
+    """``--timeline PATH``; ``DYNAMIC``, what Horovod's scripts set for a timeline that
+    ``start_timeline`` starts later (pycoll's starts with the job), is no path."""
+    text = str(text)
+    return None if text in ("", "DYNAMIC") else text
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -183,7 +190,7 @@ KNOBS = {k.name: k for k in (
     Knob("ps_reply_credit", 256 * 2**10, _number(int, 0, "a whole number of bytes >= 0"),
          "pycoll.ps: bytes of pull answers a server keeps in flight; the others wait and go "
          "most urgent first (the requests' priority); 0: each goes when answered"),
-    Knob("timeline", None, lambda text: str(text) or None,
+    Knob("timeline", None, _timeline_path,
          "PATH: write a Chrome trace (Perfetto, chrome://tracing) of every operation on "
          "every rank to PATH at exit",
          horovod="HOROVOD_TIMELINE"),

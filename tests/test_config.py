@@ -37,6 +37,9 @@ def test_horovods_variables_where_pycolls_are_unset(monkeypatch):
     config.reload()
     assert config.get("fusion_threshold") == 32 * 2**20
     assert config.get("timeline") == "/tmp/horovod-timeline.json"
+    monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")      # Horovod's suite: start_timeline
+    config.reload()
+    assert config.get("timeline") is None
     assert config.get("cycle_time_ms") == 0.0                 # PYCOLL_'s comes first
     with pytest.raises(ValueError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='-1': expected"):
         config.get("stall_warning_s")

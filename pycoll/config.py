@@ -114,6 +114,12 @@ def parse_steps(text) -> Optional[tuple]:
     return first, last
 
 
+def _log_level(text) -> str:
+    """``--log-level``; Horovod's levels beyond Python's, trace and fatal, are its nearest."""
+    nearest = {"trace": "debug", "fatal": "error"}.get(str(text).strip().lower(), text)
+    return _choice("debug", "info", "warning", "error")(nearest)
+
+
 def _timeline_path(text) -> Optional[str]:
     """``--timeline PATH``; ``DYNAMIC``, what Horovod's scripts set for a timeline that
     ``start_timeline`` starts later (pycoll's starts with the job), is no path."""
@@ -171,8 +177,9 @@ KNOBS = {k.name: k for k in (
     Knob("stall_warning_s", 60.0, _number(float, 0, "a positive, finite number of seconds", above=True),
          "with check on, log which ranks have not joined a collective after this many seconds",
          horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),
-    Knob("log_level", "warning", _choice("debug", "info", "warning", "error"),
-         "logging level of the pycoll logger: debug, info, warning, error"),
+    Knob("log_level", "warning", _log_level,
+         "logging level of the pycoll logger: debug, info, warning, error (Horovod's trace "
+         "and fatal: debug and error)", horovod="HOROVOD_LOG_LEVEL"),
     Knob("cuda_aware_mpi", False, _bool,
          "hand GPU buffers to MPI directly instead of staging them through host memory"),
     Knob("slowdown", {}, parse_slowdown,

@@ -40,6 +40,14 @@ def test_horovods_variables_where_pycolls_are_unset(monkeypatch):
     monkeypatch.setenv("HOROVOD_TIMELINE", "DYNAMIC")      # Horovod's suite: start_timeline
     config.reload()
     assert config.get("timeline") is None
+    for horovods, ours in (("TRACE", "debug"), ("info", "info"), ("fatal", "error")):
+        monkeypatch.setenv("HOROVOD_LOG_LEVEL", horovods)
+        config.reload()
+        assert config.get("log_level") == ours
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "loud")
+    config.reload()
+    with pytest.raises(ValueError, match="HOROVOD_LOG_LEVEL='loud': expected one of debug"):
+        config.get("log_level")
     assert config.get("cycle_time_ms") == 0.0                 # PYCOLL_'s comes first
     with pytest.raises(ValueError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='-1': expected"):
         config.get("stall_warning_s")

@@ -18,9 +18,9 @@ and 2 only for MPI below 8 ranks; the coalesced collectives, sparse allreduce, b
 timeouts and ``no_sync`` "only gloo"). ``PYCOLL_TORCH_SUITE_AS=mpi`` (or ``gloo``) runs it
 as it tests torch's own MPI (or gloo) backend, with pycoll's process group in its place,
 but for ``test_get_backend``, which compares the name, and, as gloo, the tests in
-``_GLOO_ONLY`` below.
-The suite assumes 2 ranks or more, 3 as an MPI backend; torch runs it at 3. It needs ``expecttest`` (requirements-dev.txt), which
-torch's test utilities import.
+``_GLOO_ONLY`` below. The suite assumes 2 ranks or more, 3 as an MPI backend; torch
+runs it at 3. It needs ``expecttest`` (requirements-dev.txt), which torch's test
+utilities import.
 """
 import atexit
 import os

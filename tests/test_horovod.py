@@ -272,6 +272,13 @@ def test_integer_average_truncates_and_scales_in_float64():
     expected = (torch.stack([(torch.tensor([k + 1, -(k + 1), 7]).double() * 1.5)
                              .to(torch.int32) for k in range(n)]).sum(0).double() * 0.5)
     assert torch.equal(scaled, expected.to(torch.int32))
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):     # torch cannot divide these
+        u = torch.tensor([r + 1, 7], dtype=dtype)
+        avg = hvd.allreduce(u, op=hvd.Average, name=f"uint.avg.{dtype}")
+        assert avg.tolist() == [n * (n + 1) // 2 // n, 7]
+        post = hvd.allreduce(u, op=hvd.Average, postscale_factor=2.0, name=f"uint.post.{dtype}")
+        scaled = [int(total * (2.0 / n)) for total in (n * (n + 1) // 2, 7 * n)]  # float64
+        assert post.dtype == dtype and post.tolist() == scaled
 
 
 def test_process_set_broadcast_takes_a_world_root():

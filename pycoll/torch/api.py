@@ -526,12 +526,12 @@ def finish_reduce(out: torch.Tensor, op, core, postscale: float, n: int) -> torc
     if op is Average and core is Sum:
         if out.is_floating_point():
             out.div_(n)
+        elif postscale != 1.0:
+            return _scale_(out, postscale / n)
         elif out.dtype in _NO_DIVISION:     # unsigned: truncation is numpy's floor
             return out.copy_(torch.from_numpy(out.cpu().numpy() // n))
-        elif postscale == 1.0:
-            return out.copy_(torch.div(out, n, rounding_mode="trunc"))
         else:
-            return _scale_(out, postscale / n)
+            return out.copy_(torch.div(out, n, rounding_mode="trunc"))
     return _scale_(out, postscale)
 
 

@@ -51,7 +51,8 @@ CPU time (at 1 rank MPI is a no-op, so a pass there is what it costs beyond MPI)
 the list (tensors.host_pointers), packing and unpacking its bytes in one piece through a
 buffer out of cache (_C.pack, _C.unpack), Average's scale, the new list's buffer (from
 1 MiB a reused host block) and views (tensors.views_like), and each grouped form whole
-(which packs and unpacks in pieces that stay in cache). The header and the end give the load average: on a shared
+(which packs and unpacks in pieces that stay in cache), and the issuing thread's CPU time
+per allreduce_async_ call (the pycoll form's loop, its waits not counted). The header and the end give the load average: on a shared
 machine it says what the times are worth.
 """
 import argparse
@@ -249,6 +250,19 @@ def cpu_ms(fn, batches: int = 15, per: int = 10) -> float:
     return sorted(times)[len(times) // 4] * 1e3
 
 
+def issue_us(xs, batches: int = 15) -> float:
+    """CPU time of the issuing thread per ``allreduce_async_`` call over ``xs`` in us (the
+    waits after each pass not counted): the fastest quartile of ``batches`` passes."""
+    times = []
+    for _ in range(batches):
+        t0 = time.thread_time()
+        works = [pycoll.allreduce_async_(x, op=pycoll.Sum) for x in xs]
+        times.append((time.thread_time() - t0) / len(xs))
+        for work in works:
+            work.wait()
+    return sorted(times)[len(times) // 4] * 1e6
+
+
 def parts(case: Case) -> None:
     """Where a grouped pass over ``case`` goes, piece by piece, in this process (rank 0
     prints; every rank runs the whole passes, which are collective)."""
@@ -272,7 +286,9 @@ def parts(case: Case) -> None:
         for op in ("sum", "average"):
             for form in FORMS[1:]:
                 timed[f"{form} {op}"] = cpu_ms(case.form(form_name(form, op, kind)), 10, 5)
-        lines.append(f"#   {kind:>5}: " + ", ".join(f"{k} {v:.3f}" for k, v in timed.items()))
+        issue = issue_us(xs)
+        lines.append(f"#   {kind:>5}: " + ", ".join(f"{k} {v:.3f}" for k, v in timed.items())
+                     + f"; allreduce_async_ issued {issue:.2f} us a call")
     if comm.rank == 0:
         print(f"\n# parts of a grouped pass over {case.label}, CPU ms of rank 0 (fastest "
               f"quartile; at {comm.size} rank(s)):\n" + "\n".join(lines), flush=True)

@@ -249,8 +249,9 @@ PYBIND11_MODULE(_C, m) {
          "row_signature(dtype, row_shape) -> int: what allgather's and alltoall's ranks compare (reduce_scatter's: "
          "dtype 'float32/sum', and so on)."},
         {"host_buffer", FAST(short_path::host_buffer), METH_FASTCALL,
-         "host_buffer(x, names, buffer_type) -> tensors.Buffer of a writable, contiguous host tensor read as the "
-         "short path reads one, whose dtype names holds; None for any other x."},
+         "host_buffer(x, numpy_names, torch_names, buffer_type) -> tensors.Buffer of a writable, contiguous "
+         "host tensor (numpy array or torch tensor) read as the short path reads one, whose dtype the names of "
+         "its kind hold; None for any other x."},
         {"host_pointers", short_path::host_pointers, METH_O,
          "host_pointers(xs) -> (addresses, byte sizes, dtype) of a list of writable contiguous host tensors of one "
          "class and dtype; None for any other (after short_path_setup)."},

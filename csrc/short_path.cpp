@@ -1257,11 +1257,14 @@ PyObject* host_pointers(PyObject*, PyObject* xs) {
 }
 
 PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-    if (!takes(nargs, 3, "host_buffer(x, names, buffer_type)")) return nullptr;
-    PyObject *x = args[0], *names = args[1], *type = args[2];
+    if (!takes(nargs, 4, "host_buffer(x, numpy_names, torch_names, buffer_type)")) return nullptr;
+    PyObject *x = args[0], *type = args[3];
     Host h;
-    if (!fn.ready || !PyType_Check(type)) return left(1);
+    if (!fn.ready || !PyType_Check(type) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), &PyTuple_Type) ||
+        !PyDict_Check(args[1]) || !PyDict_Check(args[2]))
+        return left(1);
     if (int read = read_host(x, true, h)) return left(read);
+    PyObject* names = reinterpret_cast<PyObject*>(Py_TYPE(x)) == fn.ndarray ? args[1] : args[2];
     PyObject* name = PyDict_GetItemWithError(names, h.dtype.get());
     if (!name) return left(PyErr_Occurred() ? -1 : 1);
     Ref shape(PyObject_GetAttr(x, s.shape));
@@ -1275,13 +1278,20 @@ PyObject* host_buffer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (atoms) PyObject_GC_UnTrack(shape.get());
     }
     Ref ptr(shape ? PyLong_FromVoidPtr(h.ptr) : nullptr), nbytes(ptr ? PyLong_FromSsize_t(h.nbytes) : nullptr);
-    // Buffer(ptr, nbytes, dtype, shape, "cpu", 0, readonly False, owner x, ready None), made as
-    // tuple.__new__(Buffer, fields) makes it, without NamedTuple's Python __new__.
-    Ref fields(nbytes ? PyTuple_Pack(9, ptr.get(), nbytes.get(), name, shape.get(), s.cpu, s.zero, Py_False, x,
-                                     Py_None)
-                      : nullptr);
-    Ref packed(fields ? PyTuple_Pack(1, fields.get()) : nullptr);
-    return packed ? PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(type), packed.get(), nullptr) : nullptr;
+    if (!nbytes) return nullptr;
+    // Buffer(ptr, nbytes, dtype, shape, "cpu", 0, readonly False, owner x, ready None), filled
+    // in place as tuple.__new__(Buffer, fields) would copy it, without NamedTuple's Python __new__.
+    PyTypeObject* buffer_type = reinterpret_cast<PyTypeObject*>(type);
+    PyObject* buffer = buffer_type->tp_alloc(buffer_type, 9);
+    if (!buffer) return nullptr;
+    PyObject* fields[] = {ptr.release(), nbytes.release(), Py_NewRef(name), shape.release(), Py_NewRef(s.cpu),
+                          Py_NewRef(s.zero), Py_NewRef(Py_False), Py_NewRef(x), Py_NewRef(Py_None)};
+    for (Py_ssize_t i = 0; i < 9; ++i) PyTuple_SET_ITEM(buffer, i, fields[i]);
+    // Untracked as well: it holds x and atoms, and x does not hold it, so no cycle passes
+    // through it. A step's every async gradient keeps one alive until its batch runs, and
+    // the cyclic GC's passes over them cost allreduce_async_ 0.1 us a call.
+    if (PyObject_GC_IsTracked(buffer)) PyObject_GC_UnTrack(buffer);
+    return buffer;
 }
 
 PyObject* grouped_allreduce_now(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

@@ -762,8 +762,13 @@ def _submit_allreduce(x, op, group, name, inplace) -> Work:
     """Plan an async allreduce and queue it, fusable with those of its key (dtype, device,
     op, communicator). Inline: a step's every gradient takes this path."""
     op, grp, name = reduce_op(op), runtime.resolve(group), name or "allreduce"
-    item = _planned_item(x, op, grp, name, inplace)
-    src = item[0]           # item.src: a NamedTuple's field by name costs more
+    if inplace:             # _planned_item's usual case, without a call (0.07 us of 2)
+        src = as_buffer(x, writable=True)
+        check_reduction(op, src.dtype)
+        item = _new_item((src, src, x, op, grp, name))
+    else:
+        item = _planned_item(x, op, grp, name, inplace)
+        src = item[0]       # item.src: a NamedTuple's field by name costs more
     return grp.engine.submit_fusable((src.dtype, src.device, op, grp), src.nbytes, item,
                                      _allreduce_queued, name)
 

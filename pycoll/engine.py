@@ -21,6 +21,17 @@ from . import _C, config, tensors, timeline
 from .work import Work
 
 
+def _read_settings() -> None:
+    """PYCOLL_FUSION_THRESHOLD, kept here when it changes (``config.watch``): queueing an
+    item reads it, and ``config.get`` costs a tenth of the rest."""
+    global _fusion_threshold
+    _fusion_threshold = config.get("fusion_threshold")
+
+
+_fusion_threshold: int
+config.watch(_read_settings)
+
+
 class _Batch:
     """Operations that run as one: a thunk, or fusable items with one key."""
 
@@ -69,6 +80,7 @@ class Engine:
         # (a blocking call, or the compiled short path) when nothing is pending. A claim
         # costs no lock round trip. ``pending`` mirrors _ready and _open (_sync, under _lock).
         self.gate = _C.Gate(self._notify)
+        self._flush = self.flush    # every queued item's Work holds it: made once, not each time
         _watched.add(self)
         _watchdog()
         self._ready: collections.deque = collections.deque()
@@ -96,8 +108,9 @@ class Engine:
         """Queue ``item``; items with equal ``key`` may run as one ``run(items)``,
         which returns one result for each item, or for a prefix of them: the engine
         then runs the rest as the next batch."""
-        threshold = config.get("fusion_threshold")
-        with self._lock:
+        threshold = _fusion_threshold
+        self._lock.acquire()        # not ``with``: its protocol costs as much again
+        try:
             batch = self._open
             if batch is None or batch.key != key or batch.nbytes + nbytes > threshold:
                 self._close_open()
@@ -105,7 +118,7 @@ class Engine:
                 self._sync()                    # only a new or closed batch changes the count
                 if config.get("cycle_time_ms"):
                     self._wake()                # to time the new batch's cycle
-            work = Work(name, self.flush, batch.done)
+            work = Work(name, self._flush, batch.done)
             if timeline.on:
                 timeline.issued(work)
             batch.items.append(item)
@@ -113,6 +126,8 @@ class Engine:
             batch.nbytes += nbytes
             if batch.nbytes >= threshold:
                 self._close_open()
+        finally:
+            self._lock.release()
         return work
 
     def run(self, thunk: Callable[[], Any], name: str) -> Any:

@@ -1,10 +1,11 @@
 """Reduction ops and the argument checks every layer shares; no MPI here, so the layers
 above (pycoll.torch) can import them without starting MPI."""
 import enum
+from typing import Optional
 
 import numpy as np
 
-from .tensors import FLOAT8, FLOATS
+from .tensors import DTYPES, FLOAT8, FLOATS
 
 
 class ReduceOp(str, enum.Enum):
@@ -41,19 +42,33 @@ def kernel_op(op: ReduceOp) -> str:
 
 
 def check_reduction(op: ReduceOp, dtype: str) -> None:
+    if op not in REDUCES.get(dtype, ()):
+        refusal = _refusal(op, dtype)
+        if refusal:
+            raise TypeError(refusal)
+
+
+def _refusal(op: ReduceOp, dtype: str) -> Optional[str]:
+    """Why ``op`` cannot reduce ``dtype`` tensors; None if it can."""
+    what = f"{op.name.title().replace('_', '')} of {dtype} tensors"
     if dtype in FLOAT8:
-        raise TypeError(f"{op.name.title().replace('_', '')} of {dtype} tensors is not "
-                        "defined: pycoll moves float8 (allgather, broadcast, alltoall, "
-                        "send/recv) but reduces none; cast to bfloat16 or float32 to reduce")
+        return (f"{what} is not defined: pycoll moves float8 (allgather, broadcast, "
+                "alltoall, send/recv) but reduces none; cast to bfloat16 or float32 to reduce")
     if op in BITWISE and dtype in FLOATS:
-        raise TypeError(f"{op.name.title().replace('_', '')} of {dtype} tensors is not "
-                        "defined; bitwise reductions take integer and bool tensors")
+        return f"{what} is not defined; bitwise reductions take integer and bool tensors"
     if op is Average and dtype == "bool":
-        raise TypeError("Average of bool tensors is not defined; use op=pycoll.Sum or Max "
-                        "(any rank's True), Min or Product (every rank's)")
+        return ("Average of bool tensors is not defined; use op=pycoll.Sum or Max "
+                "(any rank's True), Min or Product (every rank's)")
     if op is Average and dtype not in FLOATS:
-        raise TypeError(f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
-                        "and divide, or cast to a float dtype")
+        return (f"Average of {dtype} tensors would truncate; use op=pycoll.Sum "
+                "and divide, or cast to a float dtype")
+    return None
+
+
+# dtype -> the ops that reduce it: on a hot path the check is an identity test in a short
+# tuple (an enum member's hash is a Python call).
+REDUCES = {dtype: tuple(op for op in ReduceOp if _refusal(op, dtype) is None)
+           for dtype in DTYPES}
 
 
 def check_root(root, grp, what: str = "root") -> None:

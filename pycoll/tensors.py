@@ -113,9 +113,6 @@ def _not_contiguous(x) -> ValueError:
 
 
 def _from_numpy(a: np.ndarray) -> Buffer:
-    found = _C.host_buffer(a, _NUMPY_DTYPES, Buffer)     # in one compiled call, as most are
-    if found is not None:
-        return found
     name = _NUMPY_DTYPES.get(a.dtype) or _numpy_dtype(a.dtype, a)
     found = _C.address(a)
     if found is None:                   # not C-contiguous, or a dtype PEP 3118 cannot name
@@ -127,9 +124,6 @@ def _from_numpy(a: np.ndarray) -> Buffer:
 
 def _from_torch(t) -> Buffer:
     """torch's own accessors: the same facts as its DLPack export, several times faster."""
-    found = _C.host_buffer(t, _TORCH_DTYPES, Buffer)     # in one compiled call, as most are
-    if found is not None:
-        return found
     name = _TORCH_DTYPES.get(t.dtype) or _torch_dtype(t)
     if not t.is_contiguous():
         raise _not_contiguous(t)
@@ -212,6 +206,9 @@ def _cuda_device_of(x) -> int:
 
 def as_buffer(x, writable: bool = False) -> Buffer:
     """Describe ``x``'s memory; ``writable`` for in-place operations and outputs."""
+    found = _C.host_buffer(x, _NUMPY_DTYPES, _TORCH_DTYPES, Buffer)  # most are read in C
+    if found is not None:
+        return found
     reader = _READERS.get(type(x)) or _reader(x)
     buf = reader(x)
     if writable and buf.readonly:

@@ -375,8 +375,9 @@ def test_the_compiled_tensor_reader_equals_the_python_one(pycoll_world, monkeypa
           torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.zeros((), dtype=torch.bfloat16),
           torch.nn.Parameter(torch.ones(4)), torch.arange(10.0)[2:], torch.zeros(0, 5)]
     compiled = [tensors.as_buffer(x) for x in xs]
-    assert _C.host_buffer(xs[5], tensors._TORCH_DTYPES, tensors.Buffer) == compiled[5]  # it ran
-    assert _C.host_buffer(xs[0], tensors._NUMPY_DTYPES, tensors.Buffer) == compiled[0]
+    names = tensors._NUMPY_DTYPES, tensors._TORCH_DTYPES, tensors.Buffer
+    assert _C.host_buffer(xs[5], *names) == compiled[5]  # it ran
+    assert _C.host_buffer(xs[0], *names) == compiled[0]
     monkeypatch.setattr(_C, "host_buffer", lambda *args: None)
     for x, got in zip(xs, compiled):
         want = tensors.as_buffer(x)

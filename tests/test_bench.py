@@ -1,6 +1,7 @@
 """The benchmarks run under mpiexec, check their results and write sane JSON and plots."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -138,6 +139,7 @@ def test_fusion_output(fusion_run):
     for kind, line in zip(("torch", "numpy"), parts):
         assert line.startswith(f"#   {kind}: read ") and "new buffer+views" in line
         assert "pycoll-grouped-new average" in line
+        assert re.search(r"; allreduce_async_ issued \d+\.\d\d us a call$", line), line
 
 
 def test_fusion_json(fusion_run):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable, List, Optional
 import numpy as np
 
 from . import _C, config, tensors, timeline
-from .work import Work
+from .work import Latch, Work
 
 
 def _read_settings() -> None:
@@ -37,7 +37,7 @@ class _Batch:
 
     def __init__(self, run: Callable, key: Hashable = None):
         self.run, self.key = run, key
-        self.done = threading.Event()           # one for all its Works: cheaper than one each
+        self.done = Latch()             # one for all its Works: cheaper than one each
         self.items: List[Any] = []
         self.works: List[Work] = []
         self.nbytes = 0
@@ -157,7 +157,7 @@ class Engine:
         """Tell the gate how many batches are pending (after _ready or _open changed)."""
         self.gate.pending = len(self._ready) + (self._open is not None)
 
-    def flush(self, until: Optional[threading.Event] = None) -> None:
+    def flush(self, until: Optional[Latch] = None) -> None:
         """Send the open batch now (what asking for any of its results does). With
         ``until``, the event a caller is about to wait for: while the engine's thread is
         idle, run the queued batches in the caller's thread until it is set. The caller

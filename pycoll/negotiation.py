@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import config, runtime
 from .inspector import CollectiveMismatch
-from .work import CollectiveTimeout, GroupBroken, Work, poll
+from .work import CollectiveTimeout, GroupBroken, Latch, Work, poll
 
 log = logging.getLogger("pycoll")
 
@@ -83,7 +83,7 @@ class Ticket:
     def __init__(self, request: Request, start: Callable[[Response], Any]):
         self.request, self.name = request, request.name
         self._start = start
-        self._started = threading.Event()
+        self._started = Latch()
         self._work: Any = None          # a Work, a list of them, or None (nothing to run)
         self._error: Optional[BaseException] = None
 

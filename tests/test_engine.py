@@ -286,3 +286,34 @@ def test_a_waiting_caller_runs_what_the_idle_engine_holds(group):
     threading.Timer(0.2, release.set).start()
     held.wait(timeout=60)
     assert ran_in[-1] != threading.get_ident()
+
+
+def test_a_latch_is_a_one_shot_event():
+    """work.Latch, the engines' and Works' event: set once (again is harmless), seen by
+    every waiter, whichever thread waits first; a wait that runs out says it is not set."""
+    from pycoll.work import Latch
+    latch = Latch()
+    started = time.monotonic()
+    assert not latch.is_set() and latch.wait(0.05) is False and latch.wait(0) is False
+    assert time.monotonic() - started >= 0.05
+    seen = []
+    waiters = [threading.Thread(target=lambda: seen.append(latch.wait(10))) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)
+    latch.set()
+    latch.set()
+    for waiter in waiters:
+        waiter.join(10)
+    assert seen == [True] * 4 and latch.is_set()
+    assert latch.wait() is True and latch.wait(0) is True
+    racing = Latch()                    # a second set() while a waiter passes through
+    threads = [threading.Thread(target=racing.set)] + [
+        threading.Thread(target=lambda: seen.append(racing.wait(10))) for _ in range(8)]
+    for thread in threads[::-1]:
+        thread.start()
+    threads.append(threading.Thread(target=racing.set))
+    threads[-1].start()
+    for thread in threads:
+        thread.join(10)
+    assert seen == [True] * 12 and racing.wait(0)

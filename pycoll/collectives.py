@@ -20,7 +20,7 @@ from . import _C, config, emulation, runtime, tensors, timeline
 from .ops import (Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product,  # noqa: F401
                   ReduceOp, Sum, check_reduction, check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
-from .work import Work
+from .work import CollectiveTimeout, Work, wait_requests
 
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
@@ -707,13 +707,29 @@ def _alltoall_received(name: str, grp: runtime.Group, src: Buffer, headers) -> L
     return [h[_SIZES + grp.rank()] for h in headers]
 
 
-def _plan_barrier(group, name):
+# Barriers left at their deadline: MPI completes them when the late ranks come.
+_abandoned_barriers: list = []
+
+
+def _plan_barrier(group, name, timeout):
     grp, name = runtime.resolve(group), name or "barrier"
 
     def run():
-        grp.agree("barrier", name)
+        # past PYCOLL_TIMEOUT the engine's watchdog would end the job
+        limit = config.get("timeout") if timeout is None else min(timeout, config.get("timeout"))
+        grp.agree("barrier", name, None if timeout is None else limit)
+        # Polled, not MPI_Barrier: past its deadline the engine leaves it and goes on to
+        # the next operation (a blocking barrier that a rank skipped would hold the engine,
+        # and the process's exit, until PYCOLL_TIMEOUT). Spinning first keeps its
+        # latency near MPI_Barrier's.
         with timeline.phase("in MPI"):
-            grp.comm.Barrier()
+            request = grp.comm.Ibarrier()
+            if wait_requests([request], limit, spin=1e-3):
+                _abandoned_barriers.append(request)
+                raise CollectiveTimeout(
+                    f"pycoll: {name} did not complete within the timeout of {limit:g} s: not "
+                    f"every rank of its group ({grp.size()}) reached it; the others skipped "
+                    "it, are late or died (a rank that comes later passes it)")
     return grp, name, emulation.timed("barrier", grp.comm, 0, run)
 
 
@@ -884,10 +900,13 @@ def alltoall_async(x, splits=None, group=None, name: Optional[str] = None, out=N
     return _submit(_plan_alltoall(x, splits, group, name, out))
 
 
-def barrier(group=None, name: Optional[str] = None) -> None:
-    """Return once every rank of ``group`` has called it."""
-    _run(_plan_barrier(group, name))
+def barrier(group=None, name: Optional[str] = None, timeout: Optional[float] = None) -> None:
+    """Return once every rank of ``group`` has called it; ``CollectiveTimeout`` if they
+    have not within ``timeout`` s (default and at most PYCOLL_TIMEOUT). A rank that comes
+    later still passes the barrier that this one left."""
+    _run(_plan_barrier(group, name, timeout))
 
 
-def barrier_async(group=None, name: Optional[str] = None) -> Work:
-    return _submit(_plan_barrier(group, name))
+def barrier_async(group=None, name: Optional[str] = None,
+                  timeout: Optional[float] = None) -> Work:
+    return _submit(_plan_barrier(group, name, timeout))

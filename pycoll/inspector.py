@@ -14,6 +14,7 @@ cannot) and an idle wait costs no core.
 """
 import hashlib
 import logging
+from typing import Optional
 
 import numpy as np
 
@@ -45,15 +46,17 @@ class Checker:
     def free(self) -> None:
         self.side.Free()
 
-    def agree(self, kind: str, name: str, **details) -> None:
-        """Return when every rank of the group submitted the same; raise otherwise."""
+    def agree(self, kind: str, name: str, timeout: Optional[float] = None, **details) -> None:
+        """Return when every rank of the group submitted the same within ``timeout`` s
+        (default PYCOLL_TIMEOUT); raise otherwise."""
         seq, self.seq = self.seq, self.seq + 1
         size = self.side.Get_size()
         if size == 1:
             return
         text = f"{kind} #{seq} '{name}' " + " ".join(f"{k}={v}" for k, v in details.items())
         digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint64)
-        tag, timeout = seq % _TAGS, config.get("timeout")
+        tag, limit = seq % _TAGS, "PYCOLL_TIMEOUT" if timeout is None else "its timeout"
+        timeout = config.get("timeout") if timeout is None else timeout
         verdict = self._verdict
         if self.side.Get_rank() == 0:
             self._prints[0] = digest
@@ -88,5 +91,5 @@ class Checker:
         if verdict[0] == _TIMEOUT:
             missing = [self.ranks[r] for r in verdict[1:] if r >= 0]
             raise CollectiveTimeout(f"pycoll: {text}: ranks {missing} did not join within "
-                                    f"{timeout:g} s (PYCOLL_TIMEOUT); they skipped this "
+                                    f"{timeout:g} s ({limit}); they skipped this "
                                     "collective, are stuck elsewhere, or died")

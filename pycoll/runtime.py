@@ -38,13 +38,14 @@ class Group:
         if comm is not None and config.get("check"):
             self._checker = Checker(comm, ranks)
 
-    def agree(self, kind: str, name: str, **details) -> None:
-        """With PYCOLL_CHECK, make sure every rank is about to run the same collective."""
+    def agree(self, kind: str, name: str, timeout: Optional[float] = None, **details) -> None:
+        """With PYCOLL_CHECK, make sure every rank is about to run the same collective
+        (waiting ``timeout`` s for them, default PYCOLL_TIMEOUT)."""
         if config.get("check"):
             if self._checker is None:
                 self._checker = Checker(self.comm, self.ranks)
             with timeline.phase("checked"):
-                self._checker.agree(kind, name, **details)
+                self._checker.agree(kind, name, timeout, **details)
 
     def free(self, comm: bool = True) -> None:
         if self.freed:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -283,6 +284,59 @@ def test_a_paced_collective_one_rank_skips_times_out_on_time(tmp_path, check):
     assert "rank 0 timed out after 4 s: pycoll: the first collective paced by --link on a " \
            "group of 2 ranks: not every rank joined within 4 s" in text, text
     assert "rank 0 then: 2" in text and "rank 1 then: 2" in text
+
+
+def test_a_barrier_past_its_timeout_lets_the_engine_go_and_a_late_rank_pass(tmp_path):
+    """A barrier waits with a deadline (not in a blocking MPI_Barrier): past its timeout it
+    raises and its engine runs what comes next; the barrier stays posted, so a rank that
+    comes late passes it, and the ranks stay in step."""
+    code, text = job(tmp_path, """
+        start = time.monotonic()
+        if rank == 0:
+            try:
+                pycoll.barrier(name="waited", timeout=1)
+            except pycoll.CollectiveTimeout as error:
+                print(f"rank 0 timed out after {time.monotonic() - start:.0f} s: {error}",
+                      flush=True)
+        else:
+            time.sleep(3)
+            pycoll.barrier(name="waited")
+            print(f"rank 1 passed at {time.monotonic() - start:.0f} s", flush=True)
+        total = pycoll.allreduce(np.ones(2), op=pycoll.Sum)
+        print(f"rank {rank} then: {total[0]:g}", flush=True)
+    """, ranks=2, PYCOLL_CHECK="0")
+    assert code == 0, text
+    assert "rank 0 timed out after 1 s: pycoll: waited did not complete within the timeout " \
+           "of 1 s: not every rank of its group (2) reached it" in text, text
+    assert "rank 1 passed at 3 s" in text
+    assert "rank 0 then: 2" in text and "rank 1 then: 2" in text
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_torch_barrier_one_rank_skips_ends_on_time(tmp_path, check):
+    """torch's barrier on a group with a timeout, which one rank skips: it raises at the
+    group's timeout, as gloo's does, and the job then exits at once (a blocking barrier held
+    the engine, and the exit, until PYCOLL_TIMEOUT)."""
+    start = time.monotonic()
+    code, text = job(tmp_path, """
+        import datetime, torch.distributed as dist
+        import pycoll.torch
+        dist.init_process_group("pycoll")
+        group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                dist.barrier(group)
+            except Exception as error:
+                print(f"rank 0 timed out after {time.monotonic() - start:.0f} s: {error}",
+                      flush=True)
+        print(f"rank {rank} leaves", flush=True)
+    """, ranks=2, PYCOLL_CHECK=check, PYCOLL_TIMEOUT="60")
+    took = time.monotonic() - start
+    assert code == 0, text
+    assert took < 30, f"the job took {took:.0f} s to end"
+    assert "rank 0 timed out after 1 s: pycoll: " in text and " timeout " in text, text
+    assert "rank 0 leaves" in text and "rank 1 leaves" in text
 
 
 def test_group_generator_names_a_worker_that_never_leaves(tmp_path):

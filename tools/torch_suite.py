@@ -102,10 +102,6 @@ class TestPycoll(TestCase, DistributedTest._DistTestBase):
 # As gloo, by name prefix: what pycoll cannot do as gloo does, and why.
 _GLOO_ONLY = {
     "test_monitored_barrier": "torch's monitored_barrier runs on its own gloo process group only",
-    "test_barrier_timeout_full_group":
-        "it passes, but its barrier, left by the other ranks, holds the group's engine inside "
-        "a blocking MPI call that nothing can cancel, so the job ends at exit after "
-        "PYCOLL_TIMEOUT (as NCCL ends it on a timeout); gloo leaves the barrier pending",
 }
 if _AS == "gloo":
     for _name in dir(TestPycoll):

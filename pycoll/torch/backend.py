@@ -475,7 +475,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return self._complete([work], finish, name)
 
     def barrier(self, opts=None):
-        work = pycoll.barrier_async(group=self.group, name="torch.barrier")
+        work = pycoll.barrier_async(group=self.group, name="torch.barrier", timeout=self._timeout)
         return self._complete([work], lambda _: [], "torch.barrier")
 
     # ------------------------------------------------------------ point to point

@@ -20,7 +20,7 @@ from . import _C, config, emulation, runtime, tensors, timeline
 from .ops import (Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product,  # noqa: F401
                   ReduceOp, Sum, check_reduction, check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
-from .work import CollectiveTimeout, Work, wait_requests
+from .work import CollectiveTimeout, Work
 
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
@@ -720,11 +720,13 @@ def _plan_barrier(group, name, timeout):
         grp.agree("barrier", name, None if timeout is None else limit)
         # Polled, not MPI_Barrier: past its deadline the engine leaves it and goes on to
         # the next operation (a blocking barrier that a rank skipped would hold the engine,
-        # and the process's exit, until PYCOLL_TIMEOUT). Spinning first keeps its
-        # latency near MPI_Barrier's.
+        # and the process's exit, until PYCOLL_TIMEOUT).
         with timeline.phase("in MPI"):
             request = grp.comm.Ibarrier()
-            if wait_requests([request], limit, spin=1e-3):
+            code = _C.wait_request(MPI._addressof(request), limit)
+            if code > 0:
+                raise MPI.Exception(code)
+            if code < 0:
                 _abandoned_barriers.append(request)
                 raise CollectiveTimeout(
                     f"pycoll: {name} did not complete within the timeout of {limit:g} s: not "

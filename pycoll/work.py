@@ -152,10 +152,9 @@ def poll(test: Callable[[], Any], deadline: float, late: Callable[[], str],
             delay = min(max(2 * delay, 1e-5), 1e-3)
 
 
-def wait_requests(requests, timeout: float, stall=None, spin: float = 0.0) -> List[int]:
-    """Wait for MPI ``requests`` at most ``timeout`` s (``poll``'s sleeps after ``spin``
-    s); the indices of those still pending. ``stall`` = (seconds, callback(pending
-    indices)) fires once."""
+def wait_requests(requests, timeout: float, stall=None) -> List[int]:
+    """Wait for MPI ``requests`` at most ``timeout`` s (``poll``'s sleeps); the indices of
+    those still pending. ``stall`` = (seconds, callback(pending indices)) fires once."""
     pending = list(range(len(requests)))
 
     def test():
@@ -163,7 +162,7 @@ def wait_requests(requests, timeout: float, stall=None, spin: float = 0.0) -> Li
         return True if not pending else None
     try:
         poll(test, time.monotonic() + timeout, lambda: "",
-             stall and (stall[0], lambda: stall[1](pending)), spin)
+             stall and (stall[0], lambda: stall[1](pending)))
     except CollectiveTimeout:
         return pending
     return []

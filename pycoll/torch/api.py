@@ -554,11 +554,10 @@ def _allreduce_async(tensors: list, inplace: bool, name, op, prescale: float,
         _adasum.check(tensors, process_set, size())
     prescale, postscale = float(prescale), float(postscale)
     group = _member(process_set).group
-    meta = (("dtype", tuple(dtypes)), ("shape", tuple(tuple(t.shape) for t in tensors)),
-            ("device", tensors[0].device.type if tensors else "cpu"),
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    meta = (("dtype", tuple(dtypes) if grouped else dtypes[0]),
+            ("shape", shapes if grouped else shapes[0]), ("device", tensors[0].device.type),
             ("op", _op_name(op)), ("prescale", prescale), ("postscale", postscale))
-    if not grouped:
-        meta = tuple((k, v[0] if k in ("dtype", "shape") else v) for k, v in meta)
 
     def start(name, response):
         srcs, in_place = [t.detach() for t in tensors], inplace

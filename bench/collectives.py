@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Collectives microbenchmark: pycoll against raw mpi4py and torch.distributed (gloo).
+"""Collectives microbenchmark: pycoll against raw mpi4py and torch.distributed (gloo), and
+torch.distributed on pycoll's backend.
 
     mpiexec -n 4 --oversubscribe python bench/collectives.py [--ops allreduce,alltoall]
         [--min-bytes 4] [--max-bytes 64M] [--step-factor 4] [--dtype float32]
@@ -20,6 +21,9 @@ torch's accessors from pycoll's own cost). Forms timed: in place, or into a give
   reduce_scatter  pycoll.reduce_scatter(t, Sum, out=r)  Reduce_scatter_block  dist.reduce_scatter_single
   alltoall        pycoll.alltoall(t, out=r)             Alltoall              dist.all_to_all_single
 
+torch-pycoll makes gloo's torch.distributed calls on a group of pycoll's backend
+(dist.new_group(backend="pycoll")): what a torch user gets from pycoll in gloo's place.
+
 Size is nccl-tests' size: the larger per-rank buffer (allgather's output, reduce_scatter's
 and alltoall's input), rounded down to a multiple of ranks x itemsize where the op splits
 it. algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
@@ -35,6 +39,7 @@ reference; after the allreduce table come the ratios issue 3 sets targets for; -
 draws busbw against size, one panel per collective. Timing helpers: bench/harness.py.
 """
 import argparse
+import importlib
 import math
 import os
 import sys
@@ -50,9 +55,10 @@ from harness import (MiB, comm, human_bytes, interleave, iters_for_time, machine
                      machine_line, median, memcpy_gbps, memcpy_line, parse_bytes, pycoll,
                      setup_gloo, teardown_gloo, time_batch, write_json)
 
-IMPLS = ("pycoll", "mpi4py", "gloo")
+IMPLS = ("pycoll", "mpi4py", "gloo", "torch-pycoll")
 DTYPES = ("float32", "float64", "int32", "int64")
 torch = dist = None                              # set in main() by setup_gloo()
+PYCOLL_GROUP = None                              # torch-pycoll's process group
 NUMPY = False                                    # --numpy: pycoll gets the numpy arrays
 
 
@@ -91,7 +97,7 @@ class Coll:
     bus: Callable            # n -> busbw / algbw
     pycoll: Callable
     mpi4py: Callable
-    gloo: Callable
+    torch: Callable          # (bufs, group): gloo's on the default group, torch-pycoll's on pycoll's
     expected: Callable
     in_place: bool = False   # one buffer, any size; the others split the size across ranks
 
@@ -101,31 +107,31 @@ COLLS = {
         lambda c, n: (c, c), lambda n: 2 * (n - 1) / n,
         lambda b: pycoll.allreduce_(b.psend, op=pycoll.Sum),
         lambda b: comm.Allreduce(MPI.IN_PLACE, b.send, op=MPI.SUM),
-        lambda b: dist.all_reduce(b.tsend),
+        lambda b, g: dist.all_reduce(b.tsend, group=g),
         lambda c, n, r, dt: world_sum(c, n, dt), in_place=True),
     "allgather": Coll(
         lambda c, n: (c // n, c), lambda n: (n - 1) / n,
         lambda b: pycoll.allgather(b.psend, out=b.precv),
         lambda b: comm.Allgather(b.send, b.recv),
-        lambda b: dist.all_gather_single(b.trecv, b.tsend),
+        lambda b, g: dist.all_gather_single(b.trecv, b.tsend, group=g),
         lambda c, n, r, dt: np.concatenate([pattern(j, c // n, dt) for j in range(n)])),
     "broadcast": Coll(
         lambda c, n: (c, c), lambda n: 1.0,
         lambda b: pycoll.broadcast_(b.psend, root=0),
         lambda b: comm.Bcast(b.send, root=0),
-        lambda b: dist.broadcast(b.tsend, src=0),
+        lambda b, g: dist.broadcast(b.tsend, src=0, group=g),
         lambda c, n, r, dt: pattern(0, c, dt), in_place=True),
     "reduce_scatter": Coll(
         lambda c, n: (c, c // n), lambda n: (n - 1) / n,
         lambda b: pycoll.reduce_scatter(b.psend, op=pycoll.Sum, out=b.precv),
         lambda b: comm.Reduce_scatter_block(b.send, b.recv, op=MPI.SUM),
-        lambda b: dist.reduce_scatter_single(b.trecv, b.tsend),
+        lambda b, g: dist.reduce_scatter_single(b.trecv, b.tsend, group=g),
         lambda c, n, r, dt: block(world_sum(c, n, dt), r, n)),
     "alltoall": Coll(
         lambda c, n: (c, c), lambda n: (n - 1) / n,
         lambda b: pycoll.alltoall(b.psend, out=b.precv)[0],
         lambda b: comm.Alltoall(b.send, b.recv),
-        lambda b: dist.all_to_all_single(b.trecv, b.tsend),
+        lambda b, g: dist.all_to_all_single(b.trecv, b.tsend, group=g),
         lambda c, n, r, dt: np.concatenate([block(pattern(j, c, dt), r, n)
                                             for j in range(n)])),
 }
@@ -138,7 +144,8 @@ def make_bufs(coll: Coll, count: int, n: int, dtype) -> Bufs:
 
 
 def run(coll: Coll, impl: str, bufs: Bufs):
-    out = getattr(coll, impl)(bufs)
+    out = (coll.torch(bufs, None) if impl == "gloo" else
+           coll.torch(bufs, PYCOLL_GROUP) if impl == "torch-pycoll" else getattr(coll, impl)(bufs))
     return bufs.recv if out is None else out
 
 
@@ -179,7 +186,7 @@ def print_table_head(op, impls, with_check):
     cols = "".join(f" | {i + ' time(us)':>16} {'algbw':>7} {'busbw':>7}" for i in impls)
     print(f"\n# {op}  (algbw, busbw in GB/s; ratios of times: >1 means the first is slower)")
     print(f"# {'size(B)':>10} {'count':>10} {'type':>8}{cols} | {'pyc/mpi':>7} "
-          f"{'gloo/pyc':>8}" + (" | check" if with_check else ""), flush=True)
+          f"{'gloo/pyc':>8} {'gloo/tpc':>8}" + (" | check" if with_check else ""), flush=True)
 
 
 def bench_op(op, args, impls, n, dtype, rows) -> bool:
@@ -225,8 +232,8 @@ def bench_op(op, args, impls, n, dtype, rows) -> bool:
                    if args.check else "")
         if comm.rank == 0:
             print(f"  {nbytes:>10} {count:>10} {args.dtype:>8}{cells} | "
-                  f"{fmt(ratio('pycoll', 'mpi4py'), 7, 2)} {fmt(ratio('gloo', 'pycoll'), 8, 2)}"
-                  f"{verdict}", flush=True)
+                  f"{fmt(ratio('pycoll', 'mpi4py'), 7, 2)} {fmt(ratio('gloo', 'pycoll'), 8, 2)} "
+                  f"{fmt(ratio('gloo', 'torch-pycoll'), 8, 2)}{verdict}", flush=True)
     return all_ok
 
 
@@ -334,13 +341,16 @@ def main(argv=None) -> int:
         p.error(f"unknown ops {sorted(unknown)}" if unknown else
                 "need --step-factor > 1, --batches >= 1, --min-bytes >= 1")
 
-    global torch, dist, NUMPY
+    global torch, dist, NUMPY, PYCOLL_GROUP
     torch, dist, note = setup_gloo(args.no_gloo)
     NUMPY = args.numpy
     if NUMPY:
         note = (note + "; " if note else "") + "pycoll on the numpy arrays (--numpy)"
     impls = IMPLS if dist is not None and dist.is_initialized() else IMPLS[:2]
     pycoll.init()
+    if "torch-pycoll" in impls:
+        importlib.import_module("pycoll.torch")     # registers the backend
+        PYCOLL_GROUP = dist.new_group(backend="pycoll")
     n, rows, ok = comm.size, [], True
     t0, load0 = time.perf_counter(), os.getloadavg()
     mach, memcpy = machine(torch), memcpy_gbps()

@@ -51,6 +51,7 @@ def test_header_and_tables(small_sweep):
     for op in OPS:
         assert f"# {op} " in stdout
     assert "size(B)" in stdout and "busbw" in stdout and "pyc/mpi" in stdout
+    assert "torch-pycoll time(us)" in stdout and "gloo/tpc" in stdout
     assert "FAIL" not in stdout and "check OK" in stdout
 
 
@@ -60,7 +61,7 @@ def test_json_rows(small_sweep):
     rows = data["rows"]
     for op in OPS:
         impls = {r["impl"] for r in rows if r["op"] == op}
-        assert impls == {"pycoll", "mpi4py", "gloo"}, (op, impls)
+        assert impls == {"pycoll", "mpi4py", "gloo", "torch-pycoll"}, (op, impls)
     for r in rows:
         assert r["check"] is True, r
         assert r["time_us"] > 0 and r["bytes"] == r["count"] * 4 and r["dtype"] == "float32"

@@ -16,9 +16,10 @@ waits on) is completed by a callback thread, never by the engine's: a future run
 callbacks in the thread that completes it, and DDP communication hooks issue collectives
 there and may wait for them (PowerSGD does), which on the engine's thread would wait for
 the engine itself.
-Allreduces of CPU tensors on a rank with no core to spare for overlap
+Collectives of CPU tensors on a rank with no core to spare for overlap
 (``runtime.overlap_pays``) run blocking in the caller's thread instead, and return a
-completed Work: there the engine's thread would only time-slice with DDP's backward.
+completed Work: there the engine's thread would only time-slice with DDP's backward, and
+the hand-offs to it and back cost more than a small collective.
 
 Collectives pycoll has no primitive for are built from one that moves no more data
 than needed: ``scatter`` is an alltoall in which only the root sends; ``reduce`` and
@@ -227,6 +228,17 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def _complete(self, works, finish, name) -> PycollWork:
         return _completion(self.group, works, finish, name, self._timeout)
 
+    def _run(self, now, queued, calls, finish, name, **kwargs) -> PycollWork:
+        """Each of ``calls`` (positional arguments, a tensor first) to pycoll's async form
+        ``queued``, with ``finish`` on their results queued behind them, where overlap pays
+        for that tensor; else to its blocking form ``now`` in this thread, as allreduce
+        does: on a rank with no core to spare the hand-offs to the engine's thread and
+        back cost more than a small collective (85-270 us at 2 ranks, against 15)."""
+        kwargs.update(group=self.group, name=name)
+        if calls and not api.overlap_pays(calls[0][0]):
+            return _completed(finish([now(*args, **kwargs) for args in calls]))
+        return self._complete([queued(*args, **kwargs) for args in calls], finish, name)
+
     def getBackendName(self) -> str:
         return BACKEND
 
@@ -315,7 +327,6 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         check_root(root, self.group)
         real = _as_real(tensor.contiguous(), op)
         core = api.core_op(op, [real])
-        work = pycoll.allreduce_async(real, op=core, group=self.group, name="torch.reduce")
 
         def finish(results):
             if self.group.rank() == root:
@@ -323,7 +334,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 tensor.detach().copy_(torch.view_as_complex(result) if tensor.is_complex()
                                       else result)
             return [tensor]
-        return self._complete([work], finish, "torch.reduce")
+        return self._run(pycoll.allreduce, pycoll.allreduce_async, [(real,)], finish,
+                         "torch.reduce", op=core)
 
     def _finish_reduce(self, out, op, core):
         """AVG of integer tensors ran as a SUM: divided here, truncated toward zero, as
@@ -356,50 +368,45 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             output, memory_format=torch.contiguous_format)
         rows = _as_real(rows.contiguous(), op).view(self._ranks, -1)
         core = api.core_op(op, [rows])
-        work = pycoll.reduce_scatter_async(rows, op=core, group=self.group,
-                                           name="torch.reduce_scatter",
-                                           out=_as_real(dest, op))
 
         def finish(results):
             self._finish_reduce(results[0], op, core)
             if dest is not output:
                 output.detach().copy_(dest)
             return [output]
-        return self._complete([work], finish, "torch.reduce_scatter")
+        return self._run(pycoll.reduce_scatter, pycoll.reduce_scatter_async, [(rows,)], finish,
+                         "torch.reduce_scatter", op=core, out=_as_real(dest, op))
 
     # ------------------------------------------------------------ data movement
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         check_root(root, self.group)
         dense = _dense(tensors)
-        works = [pycoll.broadcast_async_(t, root=root, group=self.group, name="torch.broadcast")
-                 for t in dense]
-        return self._complete(works, lambda _: _write_back(tensors, dense), "torch.broadcast")
+        return self._run(pycoll.broadcast_, pycoll.broadcast_async_, [(t,) for t in dense],
+                         lambda _: _write_back(tensors, dense), "torch.broadcast", root=root)
 
     def allgather(self, output_lists, inputs, opts=None):
         outputs, tensor = _one_tensor(output_lists, "allgather"), _one_tensor(inputs, "allgather")
         self._check_count(outputs, "all_gather's output list")
-        work = pycoll.allgather_async(tensor.reshape(-1), group=self.group, name="torch.allgather")
 
         def finish(results):
             _split_into(results[0], outputs)
             return [outputs]
-        return self._complete([work], finish, "torch.allgather")
+        return self._run(pycoll.allgather, pycoll.allgather_async, [(tensor.reshape(-1),)], finish,
+                         "torch.allgather")
 
     def all_gather_single(self, output, input, opts=None):
         if output.numel() != input.numel() * self._ranks:
             raise ValueError(f"all_gather_into_tensor needs an output of {self._ranks} x the "
                              f"input's {input.numel()} elements, got {output.numel()}")
         direct = output.is_contiguous()     # straight into torch's output: no copy
-        work = pycoll.allgather_async(input.reshape(-1), group=self.group,
-                                      name="torch.all_gather_into_tensor",
-                                      out=output if direct else None)
 
         def finish(results):
             if not direct:
                 output.detach().copy_(results[0].view(output.shape))
             return [output]
-        return self._complete([work], finish, "torch.all_gather_into_tensor")
+        return self._run(pycoll.allgather, pycoll.allgather_async, [(input.reshape(-1),)], finish,
+                         "torch.all_gather_into_tensor", out=output if direct else None)
 
     _allgather_base = all_gather_single
 
@@ -425,12 +432,12 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         outputs = output_lists[0] if self.group.rank() == root else []
         if outputs:
             self._check_count(outputs, "gather's output list")
-        work = pycoll.allgather_async(tensor.reshape(-1), group=self.group, name="torch.gather")
 
         def finish(results):
             _split_into(results[0], outputs)
             return [outputs]
-        return self._complete([work], finish, "torch.gather")
+        return self._run(pycoll.allgather, pycoll.allgather_async, [(tensor.reshape(-1),)], finish,
+                         "torch.gather")
 
     def scatter(self, outputs, input_lists, opts=None):
         root = opts.rootRank
@@ -451,10 +458,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                               "torch.all_to_all")
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
-        splits = list(input_splits) if input_splits else None
-        work = pycoll.alltoall_async(input.contiguous(), splits=splits, group=self.group,
-                                     name="torch.all_to_all_single",
-                                     out=output if output.is_contiguous() else None)
+        splits, send = list(input_splits) if input_splits else None, input.contiguous()
 
         def finish(results):
             received, received_splits = results[0]
@@ -464,15 +468,16 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             if received is not output:
                 output.detach().copy_(received.view(output.shape))
             return [output]
-        return self._complete([work], finish, "torch.all_to_all_single")
+        return self._run(pycoll.alltoall, pycoll.alltoall_async, [(send,)], finish,
+                         "torch.all_to_all_single", splits=splits,
+                         out=output if output.is_contiguous() else None)
 
     def _alltoall(self, send, splits, outputs, name):
-        work = pycoll.alltoall_async(send, splits=splits, group=self.group, name=name)
-
         def finish(results):
             _split_into(results[0][0], outputs)
             return list(outputs)
-        return self._complete([work], finish, name)
+        return self._run(pycoll.alltoall, pycoll.alltoall_async, [(send,)], finish, name,
+                         splits=splits)
 
     def barrier(self, opts=None):
         work = pycoll.barrier_async(group=self.group, name="torch.barrier", timeout=self._timeout)

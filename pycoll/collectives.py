@@ -20,7 +20,7 @@ from . import _C, config, emulation, runtime, tensors, timeline
 from .ops import (Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product,  # noqa: F401
                   ReduceOp, Sum, check_reduction, check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
-from .work import CollectiveTimeout, Work, wait_requests
+from .work import CollectiveTimeout, Work, wait_request
 
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
@@ -707,36 +707,19 @@ def _alltoall_received(name: str, grp: runtime.Group, src: Buffer, headers) -> L
     return [h[_SIZES + grp.rank()] for h in headers]
 
 
-# Barriers left at their deadline: MPI completes them when the late ranks come.
-_abandoned_barriers: list = []
-
-
-def _completes(request, timeout: float) -> bool:
-    """Whether MPI completes ``request`` within ``timeout`` s: tested in C without the GIL
-    where _C found MPI's functions (polled from Python a barrier took 2-3x as long at 4
-    ranks), else by ``wait_requests``."""
-    if _MPI_FROM_C:
-        return not wait_requests([request], timeout)
-    code = _C.wait_request(MPI._addressof(request), timeout)
-    if code > 0:
-        raise MPI.Exception(code)
-    return code == 0
-
-
 def _plan_barrier(group, name, timeout):
     grp, name = runtime.resolve(group), name or "barrier"
 
     def run():
-        # past PYCOLL_TIMEOUT the engine's watchdog would end the job
-        limit = config.get("timeout") if timeout is None else min(timeout, config.get("timeout"))
+        limit = config.get("timeout")   # past it the engine's watchdog would end the job
+        if timeout is not None:
+            limit = min(timeout, limit)
         grp.agree("barrier", name, None if timeout is None else limit)
         # Polled, not MPI_Barrier: past its deadline the engine leaves it and goes on to
         # the next operation (a blocking barrier that a rank skipped would hold the engine,
         # and the process's exit, until PYCOLL_TIMEOUT).
         with timeline.phase("in MPI"):
-            request = grp.comm.Ibarrier()
-            if not _completes(request, limit):
-                _abandoned_barriers.append(request)
+            if not wait_request(grp.comm.Ibarrier(), limit):
                 raise CollectiveTimeout(
                     f"pycoll: {name} did not complete within the timeout of {limit:g} s: not "
                     f"every rank of its group ({grp.size()}) reached it; the others skipped "

@@ -61,7 +61,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import _C, config, timeline
-from .work import CollectiveTimeout, lazy, wait_requests
+from .work import CollectiveTimeout, lazy, wait_request
 
 log = logging.getLogger("pycoll")
 
@@ -299,9 +299,6 @@ def group(comm, members: Optional[tuple] = None):
     return found
 
 
-_unanswered: list = []         # (request, buffers) of agreements past their deadline
-
-
 def _agreed_id(comm) -> int:
     """The largest ``_next_cid`` of ``comm``'s members: an allreduce polled to the deadline
     (PYCOLL_TIMEOUT), not a blocking call, which a member that never comes would hold
@@ -309,10 +306,8 @@ def _agreed_id(comm) -> int:
     process could time out."""
     from mpi4py import MPI
     mine, agreed = np.array([_next_cid], np.int64), np.empty(1, np.int64)
-    request = comm.Iallreduce(mine, agreed, op=MPI.MAX)
     timeout = config.get("timeout")
-    if wait_requests([request], timeout):
-        _unanswered.append((request, mine, agreed))      # MPI may still write there
+    if not wait_request(comm.Iallreduce(mine, agreed, op=MPI.MAX), timeout, mine, agreed):
         raise CollectiveTimeout(
             f"pycoll: the first collective paced by --link on a group of {comm.Get_size()} "
             f"ranks: not every rank joined within {timeout:g} s (PYCOLL_TIMEOUT); they "

@@ -4,7 +4,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, TypeVar
 
-from . import config
+from . import _C, config
 
 T = TypeVar("T")
 
@@ -166,6 +166,24 @@ def wait_requests(requests, timeout: float, stall=None) -> List[int]:
     except CollectiveTimeout:
         return pending
     return []
+
+
+_abandoned: list = []     # (request, buffers) left at their deadline: MPI may still write there
+
+
+def wait_request(request, timeout: float, *buffers) -> bool:
+    """Whether MPI completes ``request`` within ``timeout`` s: ``MPI_Test`` in C without the
+    GIL (``_C.wait_request``), or ``wait_requests``'s polling where _C found no MPI. Past
+    the deadline the request and the ``buffers`` it uses are kept: MPI completes it when
+    the late ranks come, and may write there."""
+    from mpi4py import MPI
+    code = _C.wait_request(MPI._addressof(request), timeout)
+    if code > 0:
+        raise MPI.Exception(code)
+    done = code == 0 or (code == -2 and not wait_requests([request], timeout))
+    if not done:
+        _abandoned.append((request, buffers))
+    return done
 
 
 def lazy(make: Callable[[], T]) -> Callable[[], T]:

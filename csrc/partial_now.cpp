@@ -180,7 +180,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         if (PyErr_Occurred()) return nullptr;
         if (count > INT32_MAX) Py_RETURN_NONE;
     }
-    short_path::Token token(name, s_name);
+    short_path::Token token(name, s_name, short_path::world_gate(), key.get());
     if (!token.held()) return PyErr_Occurred() ? nullptr : none();  // earlier work: the engine runs it first
     // Paced as the general path paces it: the direct exchange's model up to direct_bytes,
     // the ring's beyond (a cached communicator's Allreduce included).

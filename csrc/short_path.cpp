@@ -57,28 +57,31 @@ struct Gate {
     PyObject_HEAD
     PyObject* wake;     // called by release() when work is pending: the engine's thread may sleep
     PyObject* name;     // what runs now, or nullptr
+    PyObject* among;    // the world ranks it waits for where not the group's (a partial all-reduce), or nullptr
     double start;       // since when (time.monotonic())
     Py_ssize_t pending; // batches queued or open, as the engine last said
     bool idle;          // the token is here
 };
 
-// What the holder of the token runs now.
-void running_as(Gate* g, PyObject* name) {
+// What the holder of the token runs now, among whom (nullptr or None: the group).
+void running_as(Gate* g, PyObject* name, PyObject* among = nullptr) {
     Py_XSETREF(g->name, Py_NewRef(name));
+    Py_XSETREF(g->among, among == Py_None ? nullptr : Py_XNewRef(among));
     g->start = monotonic();
 }
 
 // The token for a caller, if nothing issued earlier is queued or open (that runs first).
-bool claim(Gate* g, PyObject* name) {
+bool claim(Gate* g, PyObject* name, PyObject* among = nullptr) {
     if (!g->idle || g->pending) return false;
     g->idle = false;
-    running_as(g, name);
+    running_as(g, name, among);
     return true;
 }
 
 int release(Gate* g) {
     g->idle = true;
     Py_CLEAR(g->name);
+    Py_CLEAR(g->among);
     if (!g->pending) return 0;
     Ref done(PyObject_CallNoArgs(g->wake));
     return done ? 0 : -1;
@@ -91,6 +94,7 @@ int gate_init(PyObject* self, PyObject* args, PyObject* kwargs) {
     auto* g = reinterpret_cast<Gate*>(self);
     Py_XSETREF(g->wake, Py_NewRef(wake));
     Py_CLEAR(g->name);
+    Py_CLEAR(g->among);
     g->pending = 0;
     g->idle = true;
     return 0;
@@ -100,11 +104,20 @@ void gate_dealloc(PyObject* self) {
     auto* g = reinterpret_cast<Gate*>(self);
     Py_XDECREF(g->wake);
     Py_XDECREF(g->name);
+    Py_XDECREF(g->among);
     Py_TYPE(self)->tp_free(self);
 }
 
-PyObject* gate_claim(PyObject* self, PyObject* name) {
-    return PyBool_FromLong(claim(reinterpret_cast<Gate*>(self), name));
+// (name, among=None): what runs, and among which world ranks where not the group's.
+bool name_and_among(PyObject* const* args, Py_ssize_t nargs, const char* what) {
+    if (nargs == 1 || nargs == 2) return true;
+    PyErr_Format(PyExc_TypeError, "Gate.%s takes (name, among=None), got %zd arguments", what, nargs);
+    return false;
+}
+
+PyObject* gate_claim(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!name_and_among(args, nargs, "claim")) return nullptr;
+    return PyBool_FromLong(claim(reinterpret_cast<Gate*>(self), args[0], nargs == 2 ? args[1] : nullptr));
 }
 
 PyObject* gate_take(PyObject* self, PyObject*) {
@@ -114,8 +127,9 @@ PyObject* gate_take(PyObject* self, PyObject*) {
     return PyBool_FromLong(took);
 }
 
-PyObject* gate_running_as(PyObject* self, PyObject* name) {
-    running_as(reinterpret_cast<Gate*>(self), name);
+PyObject* gate_running_as(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (!name_and_among(args, nargs, "running_as")) return nullptr;
+    running_as(reinterpret_cast<Gate*>(self), args[0], nargs == 2 ? args[1] : nullptr);
     Py_RETURN_NONE;
 }
 
@@ -126,7 +140,8 @@ PyObject* gate_release(PyObject* self, PyObject*) {
 
 PyObject* gate_running(PyObject* self, PyObject*) {
     auto* g = reinterpret_cast<Gate*>(self);
-    return g->name ? Py_BuildValue("(Od)", g->name, g->start) : Py_NewRef(Py_None);
+    if (!g->name) Py_RETURN_NONE;
+    return Py_BuildValue("(OdO)", g->name, g->start, g->among ? g->among : Py_None);
 }
 
 PyObject* gate_get_pending(PyObject* self, void*) { return PyLong_FromSsize_t(reinterpret_cast<Gate*>(self)->pending); }
@@ -144,12 +159,16 @@ int gate_set_pending(PyObject* self, PyObject* value, void*) {
 PyObject* gate_get_idle(PyObject* self, void*) { return PyBool_FromLong(reinterpret_cast<Gate*>(self)->idle); }
 
 PyMethodDef gate_methods[] = {
-    {"claim", gate_claim, METH_O,
-     "claim(name) -> bool: the token for the caller, if idle and nothing is pending; records name as running."},
+    {"claim", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gate_claim)), METH_FASTCALL,
+     "claim(name, among=None) -> bool: the token for the caller, if idle and nothing is pending; records name as "
+     "running (among: the world ranks it waits for, where not the group's)."},
     {"take", gate_take, METH_NOARGS, "take() -> bool: the token, if idle, to run pending work (the engine's thread)."},
-    {"running_as", gate_running_as, METH_O, "running_as(name): record what the holder of the token runs now."},
+    {"running_as", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(gate_running_as)), METH_FASTCALL,
+     "running_as(name, among=None): record what the holder of the token runs now (among: as claim's)."},
     {"release", gate_release, METH_NOARGS, "release(): the token back; wake() if work is pending."},
-    {"running", gate_running, METH_NOARGS, "running() -> (name, start) or None: what runs now (time.monotonic())."},
+    {"running", gate_running, METH_NOARGS,
+     "running() -> (name, start, among) or None: what runs now, since when (time.monotonic()), among which world "
+     "ranks (None: the group's)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -697,11 +716,11 @@ bool Paced::begin(PyObject* kind, PyObject* group, Py_ssize_t nbytes) {
 
 bool Paced::end() { return !entry_ || pacing::leave(entry_.get()); }
 
-Token::Token(PyObject* name, PyObject* kind) : Token(name, kind, reinterpret_cast<PyObject*>(world.gate)) {}
+PyObject* world_gate() { return reinterpret_cast<PyObject*>(world.gate); }
 
-Token::Token(PyObject* name, PyObject* kind, PyObject* gate) : gate_(gate) {
+Token::Token(PyObject* name, PyObject* kind, PyObject* gate, PyObject* among) : gate_(gate) {
     Py_XINCREF(gate_);
-    held_ = gate_ && claim(reinterpret_cast<Gate*>(gate_), name == Py_None ? kind : name);
+    held_ = gate_ && claim(reinterpret_cast<Gate*>(gate_), name == Py_None ? kind : name, among);
 }
 
 Token::~Token() {

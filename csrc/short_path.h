@@ -108,10 +108,13 @@ class Paced {
 // An engine's token for one compiled call (this path's and partial_now's), given back when
 // it goes out of scope (an error already raised stays raised). Not held while work issued
 // earlier is queued or running (that runs first), nor with no Gate bound.
+PyObject* world_gate();  // the world's engine's Gate (borrowed), nullptr while pycoll is not initialized
+
 class Token {
    public:
-    Token(PyObject* name, PyObject* kind);  // name, or kind where name is None, shows as running: the world's
-    Token(PyObject* name, PyObject* kind, PyObject* gate);  // a group's engine's Gate (borrowed)
+    // On ``gate``, a group's engine's Gate (borrowed); name, or kind where name is None, shows as
+    // running, waiting for the group, or for the world ranks ``among`` (a tuple, borrowed).
+    Token(PyObject* name, PyObject* kind, PyObject* gate, PyObject* among = nullptr);
     Token(const Token&) = delete;
     Token& operator=(const Token&) = delete;
     ~Token();

@@ -172,8 +172,10 @@ KNOBS = {k.name: k for k in (
          "ranks raise on every rank"),
     Knob("abort_on_error", True, _bool,
          "an uncaught exception on one rank ends every rank of the job, as `python -m "
-         "mpi4py` does, instead of leaving the others waiting in a collective for it; 0 "
-         "leaves them running (also pycollrun's --no-abort-on-error)"),
+         "mpi4py` does, instead of leaving the others waiting in a collective for it, and so "
+         "does a collective still waiting for a rank that has left pycoll (its script "
+         "ended, sys.exit, shutdown); 0 leaves them running to PYCOLL_TIMEOUT (also "
+         "pycollrun's --no-abort-on-error)"),
     Knob("stall_warning_s", 60.0, _number(float, 0, "a positive, finite number of seconds", above=True),
          "with check on, log which ranks have not joined a collective after this many seconds",
          horovod="HOROVOD_STALL_CHECK_TIME_SECONDS"),

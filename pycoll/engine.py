@@ -35,8 +35,9 @@ config.watch(_read_settings)
 class _Batch:
     """Operations that run as one: a thunk, or fusable items with one key."""
 
-    def __init__(self, run: Callable, key: Hashable = None):
+    def __init__(self, run: Callable, key: Hashable = None, among: Optional[tuple] = None):
         self.run, self.key = run, key
+        self.among = among              # the world ranks it waits for, where not the group's
         self.done = Latch()             # one for all its Works: cheaper than one each
         self.items: List[Any] = []
         self.works: List[Work] = []
@@ -45,7 +46,7 @@ class _Batch:
 
     def split(self, count: int) -> "_Batch":
         """The items after the first ``count``, moved to a batch of their own."""
-        rest = _Batch(self.run, self.key)
+        rest = _Batch(self.run, self.key)     # fusable items wait for the group
         rest.items, rest.works = self.items[count:], self.works[count:]
         del self.items[count:], self.works[count:]
         for work in rest.works:
@@ -70,8 +71,11 @@ class Engine:
     meanwhile.
     """
 
-    def __init__(self, on_stuck: Callable[[str], None]):
+    def __init__(self, on_stuck: Callable[[str], None], members: frozenset = frozenset(),
+                 gone: Callable[[Any, float], list] = lambda ranks, since: []):
         self._on_stuck = on_stuck
+        self._members = members         # the world ranks of its group
+        self._gone = gone               # gone(ranks, since): those of them waited for in vain
         # ``with self._lock`` is the C lock itself; the Condition's own __enter__ is a
         # Python call, and this lock is taken on every collective's path.
         self._lock = threading.RLock()
@@ -91,9 +95,10 @@ class Engine:
         self._fusion = {False: np.empty(0, np.uint8), True: np.empty(0, np.uint8)}   # by pinned
 
     # ------------------------------------------------------------ issuing
-    def submit(self, thunk: Callable[[], Any], name: str) -> Work:
-        """Queue ``thunk``; its Work returns what it returns."""
-        batch = _Batch(lambda items: [thunk()])
+    def submit(self, thunk: Callable[[], Any], name: str, among: Optional[tuple] = None) -> Work:
+        """Queue ``thunk``; its Work returns what it returns. ``among``: the world ranks it
+        waits for, where not the group's (a partial all-reduce on the world's engine)."""
+        batch = _Batch(lambda items: [thunk()], among=among)
         work = Work(name, self.flush, batch.done)
         batch.works.append(work)
         if timeline.on:
@@ -130,12 +135,13 @@ class Engine:
             self._lock.release()
         return work
 
-    def run(self, thunk: Callable[[], Any], name: str) -> Any:
-        """Run ``thunk`` after everything issued before it; its result."""
+    def run(self, thunk: Callable[[], Any], name: str, among: Optional[tuple] = None) -> Any:
+        """Run ``thunk`` after everything issued before it; its result (``among``: as
+        ``submit``'s)."""
         if threading.get_ident() == self._runner:
             return thunk()      # called back from a running batch: waiting would deadlock
-        if not self.gate.claim(name):       # something issued earlier runs first
-            return self.submit(thunk, name).wait()
+        if not self.gate.claim(name, among):       # something issued earlier runs first
+            return self.submit(thunk, name, among).wait()
         try:
             self._runner = threading.get_ident()
             return thunk() if not timeline.on else timeline.run(thunk, (), name)
@@ -242,12 +248,19 @@ class Engine:
 
     def _overdue(self, warned: dict) -> None:
         """Warn of an operation running past PYCOLL_STALL_WARNING_S; end the job past
-        PYCOLL_TIMEOUT (``warned``: what was warned of, by engine)."""
+        PYCOLL_TIMEOUT, or at once if a rank it waits for has left pycoll (``warned``: what
+        was warned of, by engine)."""
         running = self.gate.running()
         if running is None:
             return
-        name, start = running
+        name, start, among = running
         waited = time.monotonic() - start
+        gone = self._gone(self._members if among is None else among, start)
+        if gone:
+            _watched.discard(self)
+            self._on_stuck(f"pycoll: {name} waits for {gone_ranks(gone)}; ending the job "
+                           "(PYCOLL_ABORT_ON_ERROR=0 waits PYCOLL_TIMEOUT instead).")
+            return
         if waited > config.get("stall_warning_s") and warned.get(self) != running:
             warned[self] = running
             logging.getLogger("pycoll").warning(
@@ -276,7 +289,7 @@ class Engine:
 
     def _run_batch(self, batch: _Batch) -> None:
         """Run ``batch``, which the caller took off the queue with the idle token."""
-        self.gate.running_as(batch.works[0].name)
+        self.gate.running_as(batch.works[0].name, batch.among)
         self._runner = threading.get_ident()
         try:
             results = (batch.run(batch.items) if not timeline.on else
@@ -299,9 +312,15 @@ class Engine:
                 self._cv.notify_all()
 
 
+def gone_ranks(gone: list) -> str:
+    """Words for ranks that left pycoll while others waited for them."""
+    return (f"rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))}, which left pycoll "
+            "without joining it (its script ended, or it called sys.exit or pycoll.shutdown)")
+
+
 # The stall inspector of last resort, one thread for every engine: a blocking MPI call
-# cannot time out, so a rank stuck in one past PYCOLL_TIMEOUT ends the job with a message,
-# not a hang.
+# cannot time out, so a rank stuck in one past PYCOLL_TIMEOUT, or waiting for a rank that
+# has left pycoll, ends the job with a message, not a hang.
 _watched: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _watching = threading.Lock()
 _watcher: Optional[threading.Thread] = None

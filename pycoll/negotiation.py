@@ -37,6 +37,7 @@ import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from . import config, runtime
+from .engine import gone_ranks
 from .inspector import CollectiveMismatch
 from .work import CollectiveTimeout, GroupBroken, Latch, Work, poll
 
@@ -420,14 +421,23 @@ class Negotiator:
         timeout = config.get("timeout")
         if self.rank != 0:
             self._sends.append(self.comm.isend(message, dest=0, tag=tag))
-            found = poll(lambda: self._unless_stopping(self.comm.improbe(source=0, tag=tag)),
-                         time.monotonic() + timeout + 2.0, lambda: (
-                             f"pycoll: rank {self.group.ranks[0]}, which coordinates negotiation "
-                             f"on {self.group}, did not answer within {timeout:g} s "
-                             "(PYCOLL_TIMEOUT): it submitted nothing in that time (it skipped "
-                             "these operations or is stuck elsewhere), or it died"), spin=_SPIN_S)
+
+            def answered():
+                found = self.comm.improbe(source=0, tag=tag)
+                if found is None and runtime.gone(self.group.ranks[:1]):
+                    return False
+                return self._unless_stopping(found)
+            found = poll(answered, time.monotonic() + timeout + 2.0, lambda: (
+                f"pycoll: rank {self.group.ranks[0]}, which coordinates negotiation "
+                f"on {self.group}, did not answer within {timeout:g} s "
+                "(PYCOLL_TIMEOUT): it submitted nothing in that time (it skipped "
+                "these operations or is stuck elsewhere), or it died"), spin=_SPIN_S)
+            if found is False:
+                return _Answer(0, (), None, f"negotiation on {self.group} waits for "
+                               f"{gone_ranks(self.group.ranks[:1])}, which coordinates it")
             return found.recv()
         messages: List[Optional[tuple]] = [message] + [None] * (self.size - 1)
+        left: list = []
 
         def arrived() -> Optional[bool]:
             for r, m in enumerate(messages):
@@ -435,7 +445,11 @@ class Negotiator:
                     found = self.comm.improbe(source=r, tag=tag)
                     if found is not None:
                         messages[r] = found.recv()
-            return self._unless_stopping(True if all(m is not None for m in messages) else None)
+            if all(m is not None for m in messages):
+                return True
+            left[:] = runtime.gone([self.group.ranks[r] for r, m in enumerate(messages)
+                                    if m is None])
+            return False if left else self._unless_stopping(None)
 
         def stalled() -> None:
             missing = [self.group.ranks[r] for r, m in enumerate(messages) if m is None]
@@ -443,8 +457,8 @@ class Negotiator:
                         "submitted nothing; pending here: %s", self.group,
                         config.get("stall_warning_s"), missing, self._names(messages))
         try:
-            poll(arrived, time.monotonic() + timeout, lambda: "",
-                 (config.get("stall_warning_s"), stalled), spin=_SPIN_S)
+            everyone = poll(arrived, time.monotonic() + timeout, lambda: "",
+                            (config.get("stall_warning_s"), stalled), spin=_SPIN_S)
         except CollectiveTimeout:
             missing = [self.group.ranks[r] for r, m in enumerate(messages) if m is None]
             why = (f"ranks {missing} took no part in negotiation on {self.group} within "
@@ -452,7 +466,9 @@ class Negotiator:
                    "pending: they skipped these operations, are stuck elsewhere, or died")
             answer = _Answer(0, (), None, why)
         else:
-            answer = self._coordinator.decide(messages)
+            answer = (self._coordinator.decide(messages) if everyone else _Answer(
+                0, (), None, f"negotiation on {self.group} waits for {gone_ranks(left)} "
+                f"while ranks had {self._names(messages)} pending"))
         for r in range(1, self.size):
             if messages[r] is not None:
                 self._sends.append(self.comm.isend(answer, dest=r, tag=tag))

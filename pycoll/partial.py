@@ -412,7 +412,7 @@ def _plan(x, ranks, op, name, inplace):
     if _settings.link:          # the cost of the exchange the compiled core runs, either path
         kind = "direct" if dst.nbytes <= _settings.direct_bytes else "allreduce"
         run = emulation.timed(kind, state.comm, dst.nbytes, run, members)
-    return name + group.label, run
+    return name + group.label, run, members
 
 
 def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):
@@ -420,24 +420,24 @@ def partial_allreduce(x, ranks, op=Average, name: Optional[str] = None):
     out = _C.partial_now(x, False, ranks, op, name)
     if out is not None:
         return out
-    name, run = _plan(x, ranks, op, name, inplace=False)
-    return runtime.engine().run(run, name)
+    name, run, members = _plan(x, ranks, op, name, inplace=False)
+    return runtime.engine().run(run, name, members)
 
 
 def partial_allreduce_(x, ranks, op=Average, name: Optional[str] = None):
     """``partial_allreduce`` into ``x`` itself; returns ``x``."""
     if _C.partial_now(x, True, ranks, op, name) is not None:
         return x
-    name, run = _plan(x, ranks, op, name, inplace=True)
-    return runtime.engine().run(run, name)
+    name, run, members = _plan(x, ranks, op, name, inplace=True)
+    return runtime.engine().run(run, name, members)
 
 
 def partial_allreduce_async(x, ranks, op=Average, name: Optional[str] = None) -> Work:
     """Start a ``partial_allreduce``; ``Work.wait()`` returns the new tensor."""
-    name, run = _plan(x, ranks, op, name, inplace=False)
-    return runtime.engine().submit(run, name)
+    name, run, members = _plan(x, ranks, op, name, inplace=False)
+    return runtime.engine().submit(run, name, members)
 
 
 def partial_allreduce_async_(x, ranks, op=Average, name: Optional[str] = None) -> Work:
-    name, run = _plan(x, ranks, op, name, inplace=True)
-    return runtime.engine().submit(run, name)
+    name, run, members = _plan(x, ranks, op, name, inplace=True)
+    return runtime.engine().submit(run, name, members)

@@ -3,6 +3,8 @@ import atexit
 import logging
 import os
 import sys
+import threading
+import time
 import weakref
 from typing import Iterable, Optional
 
@@ -11,6 +13,7 @@ import numpy as np
 from . import _C, config, hetero, timeline
 from .engine import Engine
 from .inspector import Checker
+from .work import wait_request
 
 
 class Group:
@@ -25,7 +28,8 @@ class Group:
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
-        self.engine = Engine(on_stuck=_abort) if comm is not None else None
+        self.engine = (Engine(on_stuck=_abort, members=_world_ranks(comm), gone=gone)
+                       if comm is not None else None)
         self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
         # allgather's, alltoall's and reduce_scatter's capacity for data sent with their
@@ -84,8 +88,66 @@ class Group:
         return f"<pycoll.Group ranks={list(self.ranks)}>"
 
 
+def _world_ranks(comm) -> frozenset:
+    """The ranks of pycoll's world that ``comm``'s members are (those outside it left out)."""
+    if _state.world is None:                # the world itself
+        return frozenset(range(comm.Get_size()))
+    from mpi4py import MPI
+    mine, world = comm.Get_group(), _state.world.comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)
+    finally:
+        mine.Free()
+        world.Free()
+    return frozenset(r for r in ranks if r != MPI.UNDEFINED)
+
+
+class _Departures:
+    """Which ranks have left pycoll (their script ended, or they called sys.exit or
+    shutdown) while this one runs: a collective still waiting for one then ends the job
+    within seconds (the engines' watchdog), as gloo's ranks fail when a peer's process
+    ends, not at PYCOLL_TIMEOUT. A rank that leaves, once its operations have completed,
+    sends every other rank an empty message on a communicator of its own; each rank keeps a
+    receive posted there, which the watchdog's thread tests, so MPI_THREAD_MULTIPLE only."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm, self.MPI = comm, MPI
+        self.lock = threading.Lock()        # the watchdog tests while the caller may leave
+        self.seen: dict = {}                # rank -> time.monotonic() its notice came
+        self.status = MPI.Status()
+        self.request = (comm.Irecv([None, 0, MPI.BYTE], MPI.ANY_SOURCE)
+                        if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None)
+
+    def departed(self) -> dict:
+        with self.lock:
+            if self.request is not None and self.MPI.Is_finalized():   # by the user
+                self.request = None
+            while self.request is not None and self.request.Test(self.status):
+                self.seen.setdefault(self.status.Get_source(), time.monotonic())
+                self.request = self.comm.Irecv([None, 0, self.MPI.BYTE], self.MPI.ANY_SOURCE)
+        return self.seen
+
+    def leave(self) -> None:
+        """Stop listening and tell every other rank this one has left (waiting at most a
+        second for the notices to go: a rank past MPI's finalize takes none)."""
+        with self.lock:
+            if self.request is None or self.MPI.Is_finalized():
+                self.request = None
+                return
+            self.request.Cancel()
+            self.request.Wait()
+            self.request = None
+            comm, deadline = self.comm, time.monotonic() + 1.0
+            sends = [comm.Isend([None, 0, self.MPI.BYTE], peer)
+                     for peer in range(comm.Get_size()) if peer != comm.Get_rank()]
+            for send in sends:
+                wait_request(send, max(0.0, deadline - time.monotonic()))
+
+
 class _State:
     world: Optional[Group] = None
+    departures: Optional[_Departures] = None
     local_comm = None
     p2p_comm = None      # pycoll.partial's own duplicate: its tags never meet other traffic
     user_groups: dict = {}          # id(communicator) -> Group, so each keeps its checker
@@ -120,6 +182,8 @@ def init(comm=None, **options) -> None:
     _state.world = Group(own, tuple(range(own.Get_size())))
     _state.p2p_comm = own.Dup()     # made here: Dup is collective, partial groups are not
     _state.local_comm = own.Split_type(MPI.COMM_TYPE_SHARED)
+    if own.Get_size() > 1:
+        _state.departures = _Departures(own.Dup())
     _C.short_path_bind(_state.world.gate, _state.world.handle, own.Get_size(), _state.world)
     atexit.register(_finish_queued)
     if config.get("abort_on_error") and MPI.COMM_WORLD.Get_size() > 1:
@@ -128,6 +192,30 @@ def init(comm=None, **options) -> None:
     log.setLevel(config.get("log_level").upper())
     log.info("pycoll initialized: rank %d of %d, local rank %d of %d, %s", own.rank, own.size,
              _state.local_comm.rank, _state.local_comm.size, MPI.Get_library_version().split(",")[0])
+
+
+# A rank leaves only once every operation it joined has completed on its side, so what
+# still waits for it has at most its last bytes in flight: this covers them, on a loaded
+# machine or a slow emulated link, and is a small part of PYCOLL_TIMEOUT.
+DEPARTED_GRACE_S = 5.0
+
+
+def gone(ranks, since: float = 0.0) -> list:
+    """Those of the world ``ranks`` that an operation begun at ``since``
+    (``time.monotonic()``) waits for in vain: they left pycoll, and DEPARTED_GRACE_S has
+    passed since then and since ``since``. Empty with PYCOLL_ABORT_ON_ERROR=0."""
+    departures = _state.departures
+    seen = departures.departed() if departures is not None else None
+    if not seen or not config.get("abort_on_error"):
+        return []
+    last = time.monotonic() - DEPARTED_GRACE_S
+    return sorted(r for r in ranks if r in seen and max(seen[r], since) < last)
+
+
+def _leave() -> None:
+    """This rank's operations are done: tell the others it will join no more."""
+    if _state.departures is not None:
+        _state.departures.leave()
 
 
 def engines() -> list:
@@ -169,6 +257,7 @@ def _finish_queued() -> None:
             _abort(f"pycoll: {engine.running() or 'a collective'} was still running at exit "
                    f"after PYCOLL_TIMEOUT ({config.get('timeout'):g} s): a rank skipped it or "
                    "died; ending the job rather than finalizing MPI under it")
+    _leave()
 
 
 def _abort(message: str) -> None:
@@ -185,10 +274,14 @@ def shutdown() -> None:
     live = engines()
     for engine in live:
         engine.run(lambda: None, "shutdown")         # drain what is queued
+    _leave()
     _C.short_path_bind(None)
     _C.partial_bind(None)               # pycoll.partial's compiled entry: its comm is freed here
     _state.local_comm.Free()
     _state.p2p_comm.Free()
+    if _state.departures is not None:
+        _state.departures.comm.Free()
+        _state.departures = None
     _state.world.free()
     for group in _state.user_groups.values():
         group.free(comm=False)          # the communicator is the user's
@@ -270,7 +363,7 @@ def new_group(ranks: Iterable[int]) -> Group:
                 return parent.Create_group(members)
             finally:
                 members.Free()
-        group = Group(engine().run(create, f"new_group({list(ranks)})"), ranks)
+        group = Group(engine().run(create, f"new_group({list(ranks)})", among=ranks), ranks)
     _state.new_groups.add(group)
     return group
 

@@ -317,3 +317,23 @@ def test_a_latch_is_a_one_shot_event():
     for thread in threads:
         thread.join(10)
     assert seen == [True] * 12 and racing.wait(0)
+
+
+def test_the_gate_says_what_runs_since_when_and_among_whom():
+    """The watchdog reads this: what waits for the group (among None), or for other ranks
+    (a partial all-reduce on the world's engine), and nothing once the token is back. The
+    start is read to the clock's tick (CLOCK_MONOTONIC_COARSE): the watchdog counts seconds."""
+    from pycoll import _C
+    gate = _C.Gate(lambda: None)
+    before = time.monotonic()
+    assert gate.running() is None and gate.claim("allreduce")
+    name, start, among = gate.running()
+    assert (name, among) == ("allreduce", None) and abs(start - before) < 0.05
+    assert not gate.claim("second", (0, 1))         # held: the caller queues instead
+    gate.running_as("partial_allreduce([0, 2])", (0, 2))
+    assert gate.running()[::2] == ("partial_allreduce([0, 2])", (0, 2))
+    gate.release()
+    assert gate.running() is None and gate.claim("next", None) and gate.running()[2] is None
+    gate.release()
+    with pytest.raises(TypeError, match=r"takes \(name, among=None\)"):
+        gate.claim("a", None, "extra")

@@ -396,3 +396,63 @@ def test_groups_used_after_shutdown_are_refused(tmp_path):
                 in text), text
         assert f"rank {r} world: <pycoll.Group ranks=[0, 1]> was released" in text
         assert f"rank {r} again: 2" in text
+
+
+@pytest.mark.parametrize("leave, check", [("sys.exit(0)", "0"), ("pass", "1"),
+                                          ("pycoll.shutdown()", "0")])
+def test_a_rank_that_leaves_early_ends_the_job_within_seconds_naming_it(tmp_path, leave, check):
+    """As gloo's ranks fail once a peer's process ends; before, the job waited PYCOLL_TIMEOUT.
+    (sys.exit(3) ends the job at once here: pycollrun runs the script under mpi4py's
+    runner; test_launcher runs it bare.)"""
+    began = time.monotonic()
+    code, text = job(tmp_path, f"""
+        pycoll.allreduce(np.ones(3), name="step 0")
+        if rank == 1:
+            {leave}
+        else:
+            w = pycoll.allreduce_async(np.ones(3), name="step 1")
+            pycoll.allreduce(np.ones(3), name="step 2") if rank == 0 else w.wait()
+    """, PYCOLL_TIMEOUT="80", PYCOLL_CHECK=check)
+    assert code != 0
+    assert "step 1 waits for rank 1, which left pycoll without joining it" in text, text
+    assert time.monotonic() - began < 40
+
+
+@pytest.mark.parametrize("api", ["torch", "horovod"])
+def test_uneven_steps_end_the_job_within_seconds_naming_the_rank(tmp_path, api):
+    """One rank runs fewer steps: the others' next collective names it (torch's and
+    Horovod's name-matched negotiation, where the coordinator waits for it)."""
+    step = ("dist.all_reduce(torch.ones(4))" if api == "torch" else
+            "hvd.allreduce(torch.ones(4), name=f'grad {s}')")
+    began = time.monotonic()
+    code, text = job(tmp_path, f"""
+        import torch, torch.distributed as dist, pycoll.torch as hvd
+        if {api == "torch"}:
+            dist.init_process_group("pycoll")
+        for s in range(2 if rank == 2 else 4):
+            {step}
+    """, PYCOLL_TIMEOUT="80", PYCOLL_CHECK="0")
+    assert code != 0
+    assert (("torch.allreduce waits for rank 2, which left pycoll" if api == "torch" else
+             "waits for rank 2, which left pycoll without joining it (its script ended, or it "
+             "called sys.exit or pycoll.shutdown) while ranks had ['grad 2'] pending")
+            in text), text
+    assert time.monotonic() - began < 50
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_rank_that_leaves_does_not_end_what_others_run_without_it(tmp_path, check):
+    """Operations of the world's engine among other ranks (a new group, a partial
+    all-reduce: compiled without checks, in Python with them) wait for a late member as
+    long as PYCOLL_TIMEOUT allows, whoever has left."""
+    code, text = job(tmp_path, """
+        if rank < 2:
+            time.sleep(7 * rank)
+            pair = pycoll.new_group([0, 1])
+            time.sleep(7 * rank)
+            got = pycoll.partial_allreduce(np.ones(3), [0, 1], op=pycoll.Sum)
+            got += pycoll.allreduce(np.ones(3), op=pycoll.Sum, group=pair)
+            print(f"rank {rank} got {got[0]:g}", flush=True)
+    """, PYCOLL_TIMEOUT="60", PYCOLL_CHECK=check)
+    assert code == 0, text
+    assert "rank 0 got 4" in text and "rank 1 got 4" in text

@@ -120,6 +120,32 @@ def test_without_mpi4pys_wrapper_pycoll_ends_the_job_on_an_uncaught_exception(
     assert ("rank 0 timed out" in out.stdout) == (abort == "0"), out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("abort", ["1", "0"])
+def test_without_mpi4pys_wrapper_a_rank_that_exits_ends_the_job_within_seconds(
+        launcher, tmp_path, abort):
+    """Bare `mpiexec python prog.py` again: rank 1 calls sys.exit(3), for which Python calls
+    no hook, while rank 0 waits in a collective. Rank 1 tells the others it has left, and
+    rank 0 ends the job naming it (before, it waited PYCOLL_TIMEOUT); `--abort-on-error 0`
+    leaves rank 0 to the watchdog's PYCOLL_TIMEOUT."""
+    prog = _script(tmp_path, """
+        import sys, numpy as np, pycoll
+        pycoll.init()
+        if pycoll.rank() == 1:
+            sys.exit(3)
+        pycoll.allreduce_async(np.ones(2), name="grads").wait()
+    """)
+    timeout = "60" if abort == "1" else "4"
+    began = time.monotonic()
+    out = _run(launcher, "-np", "2", "--timeout", timeout, "--abort-on-error", abort,
+               "env", sys.executable, prog, timeout=90)
+    assert out.returncode != 0
+    if abort == "1":
+        assert "grads waits for rank 1, which left pycoll" in out.stderr, out.stderr
+        assert time.monotonic() - began < 40
+    else:
+        assert "grads has not completed after" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("value, words", [("1:x", "RANK:FACTOR"), ("1:0.5", "FACTOR >= 1"),
                                           ("2:3", "does not exist")])
 def test_bad_slowdown_exits_2(launcher, value, words):

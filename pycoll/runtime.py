@@ -28,8 +28,10 @@ class Group:
     def __init__(self, comm, ranks: tuple):
         self.comm = comm
         self.ranks = ranks
-        self.engine = (Engine(on_stuck=_abort, members=_world_ranks(comm), gone=gone)
-                       if comm is not None else None)
+        # By rank of ``comm``: its world rank (None outside pycoll's world).
+        self.world_ranks = _world_ranks(comm) if comm is not None else ()
+        self.engine = (Engine(on_stuck=_abort, members=frozenset(self.world_ranks) - {None},
+                              gone=gone) if comm is not None else None)
         self.freed = False          # by pycoll.shutdown(): using it again is an error
         self.handle = None          # the MPI handle of ``comm``: what _C's MPI calls take
         # allgather's, alltoall's and reduce_scatter's capacity for data sent with their
@@ -88,10 +90,10 @@ class Group:
         return f"<pycoll.Group ranks={list(self.ranks)}>"
 
 
-def _world_ranks(comm) -> frozenset:
-    """The ranks of pycoll's world that ``comm``'s members are (those outside it left out)."""
+def _world_ranks(comm) -> tuple:
+    """Each rank of ``comm`` as a rank of pycoll's world (None for one outside it)."""
     if _state.world is None:                # the world itself
-        return frozenset(range(comm.Get_size()))
+        return tuple(range(comm.Get_size()))
     from mpi4py import MPI
     mine, world = comm.Get_group(), _state.world.comm.Get_group()
     try:
@@ -99,7 +101,7 @@ def _world_ranks(comm) -> frozenset:
     finally:
         mine.Free()
         world.Free()
-    return frozenset(r for r in ranks if r != MPI.UNDEFINED)
+    return tuple(None if r == MPI.UNDEFINED else r for r in ranks)
 
 
 class _Departures:

@@ -440,6 +440,33 @@ def test_uneven_steps_end_the_job_within_seconds_naming_the_rank(tmp_path, api):
     assert time.monotonic() - began < 50
 
 
+def test_a_torch_recv_from_a_rank_that_left_fails_within_seconds_and_others_go_on(tmp_path):
+    """As gloo's recv fails once its peer's process ends; before, it waited the group's
+    timeout. Messages between the ranks still there go on."""
+    code, text = job(tmp_path, """
+        import torch, torch.distributed as dist
+        import pycoll.torch
+        dist.init_process_group("pycoll", init_method="pycoll://")
+        got = torch.zeros(2)
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                dist.recv(got, src=2)
+            except pycoll.CollectiveTimeout as error:
+                print(f"after {time.monotonic() - start:.0f} s: {error}", flush=True)
+            dist.recv(got, src=1)
+            print(f"rank 0 got {got[0].item():g}", flush=True)
+        elif rank == 1:
+            dist.send(torch.full((2,), 7.0), dst=0)
+    """, PYCOLL_TIMEOUT="60", PYCOLL_CHECK="0")
+    assert code == 0, text
+    assert ("s: pycoll: torch receive from rank 2 in <pycoll.Group ranks=[0, 1, 2]> waits "
+            "for rank 2, which left pycoll without joining it") in text, text
+    assert "rank 0 got 7" in text
+    waited = int(text.split("after ")[1].split(" s:")[0])
+    assert waited < 20
+
+
 @pytest.mark.parametrize("check", ["0", "1"])
 def test_a_rank_that_leaves_does_not_end_what_others_run_without_it(tmp_path, check):
     """Operations of the world's engine among other ranks (a new group, a partial

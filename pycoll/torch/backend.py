@@ -50,6 +50,7 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 
 import pycoll
 from pycoll import emulation, runtime
+from pycoll.engine import gone_ranks
 from pycoll.ops import check_root
 from pycoll.tensors import as_buffer
 from pycoll.work import lazy
@@ -120,7 +121,7 @@ class PycollWork(dist.Work):
         try:
             value = self._done.wait(_seconds(timeout) or self._timeout)
         except pycoll.CollectiveTimeout as error:
-            if self._on_timeout is not None:
+            if self._on_timeout is not None and not self._done.is_completed():  # ran out here
                 self._on_timeout(error)
             raise
         # A callback thread completes the future just after: once wait() returns, the
@@ -487,7 +488,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def send(self, tensors, dst, tag=0):
         tensor, comm, staging = _one_tensor(tensors, "send"), self._p2p(), ExitStack()
         request = comm.Isend(_message(tensor, staging, write=False), dest=dst, tag=tag)
-        return self._watch(request, tensor, staging, f"send to rank {dst}")
+        return self._watch(request, tensor, staging, f"send to rank {dst}", dst)
 
     def recv(self, tensors, src, tag=0):
         return self._recv(_one_tensor(tensors, "recv"), src, tag)
@@ -500,12 +501,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         comm, staging = self._p2p(), ExitStack()
         request = comm.Irecv(_message(tensor, staging, write=True), source=src, tag=tag)
         return self._watch(request, tensor, staging, "receive from " + (
-            f"rank {src}" if src >= 0 else "any rank"))
+            f"rank {src}" if src >= 0 else "any rank"), src)
 
-    def _watch(self, request, tensor, staging: ExitStack, what: str) -> PycollWork:
+    def _watch(self, request, tensor, staging: ExitStack, what: str,
+               src_or_dst: int) -> PycollWork:
         """The Work of ``request``, which MPI runs on ``tensor``'s memory or on the staging
         copy that ``staging`` holds until the request is done (then closed: a received
-        message is copied into the tensor)."""
+        message is copied into the tensor); its peer ``src_or_dst`` (a group rank, or
+        negative: any)."""
         work = pycoll.Work(f"torch {what} in {self.group}")
 
         def finish(status):
@@ -517,7 +520,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 self._p2p_failure = error
             request.Cancel()        # the poller completes it, so its buffer outlives it
         future = torch.futures.Future()
-        _poller().watch(request, work, future, finish, staging)
+        peer = self.group.world_ranks[src_or_dst] if src_or_dst >= 0 else None
+        _poller().watch(request, work, future, finish, staging, peer)
         return PycollWork(future, work, self._timeout, on_timeout=timed_out)
 
     def _p2p(self):
@@ -599,11 +603,13 @@ class _Poller:
         self._thread.start()
         atexit.register(self.stop)      # after mpi4py's: runs before MPI is finalized
 
-    def watch(self, request, work: pycoll.Work, future, finish, keep) -> None:
+    def watch(self, request, work: pycoll.Work, future, finish, keep, peer=None) -> None:
         """Complete ``work`` and ``future`` with ``finish(status)`` once ``request`` is
-        done, keeping ``keep`` (the buffer MPI reads or writes) alive until then."""
+        done, keeping ``keep`` (the buffer MPI reads or writes) alive until then; or with
+        an error once its ``peer`` (a world rank) has left pycoll, as gloo's fail when a
+        peer's process ends."""
         with self._cv:
-            self._pending.append((request, work, future, finish, keep))
+            self._pending.append((request, work, future, finish, keep, peer, time.monotonic(), []))
             self._cv.notify()
 
     def stop(self) -> None:
@@ -615,7 +621,7 @@ class _Poller:
 
     def _loop(self) -> None:
         from mpi4py import MPI
-        pause = 5e-5
+        pause, looked = 5e-5, time.monotonic()
         while True:
             with self._cv:
                 while not self._pending and not self._stopped:
@@ -625,10 +631,16 @@ class _Poller:
                     return
                 pending = list(self._pending)
             finished = []
+            if time.monotonic() - looked > 1.0:     # as often as the engines' watchdog
+                looked = time.monotonic()
+                for request, work, _, _, _, peer, posted, gone in pending:
+                    if peer is not None and not gone and runtime.gone([peer], posted):
+                        gone.append(f"pycoll: {work.name} waits for {gone_ranks([peer])}")
+                        request.Cancel()
             for entry in pending:
                 status = MPI.Status()
                 if entry[0].Test(status):
-                    self._complete(status, *entry[1:4])
+                    self._complete(status, *entry[1:4], *entry[7])
                     finished.append(entry)
             with self._cv:
                 self._pending = [p for p in self._pending if p not in finished]
@@ -636,10 +648,10 @@ class _Poller:
             time.sleep(pause)
 
     @staticmethod
-    def _complete(status, work: pycoll.Work, future, finish) -> None:
+    def _complete(status, work: pycoll.Work, future, finish, why: str = "") -> None:
         try:
             if status.Is_cancelled():
-                raise pycoll.CollectiveTimeout(f"pycoll: {work.name} was cancelled")
+                raise pycoll.CollectiveTimeout(why or f"pycoll: {work.name} was cancelled")
             value = finish(status)
         except BaseException as error:
             work.finish(error=error)

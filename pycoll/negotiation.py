@@ -419,16 +419,13 @@ class Negotiator:
         tag, self._seq = self._seq % _TAGS, self._seq + 1
         self._sends = [s for s in self._sends if not s.Test()]
         timeout = config.get("timeout")
-        # Whether a missing rank has left is asked only once it could be the answer: the
-        # question tests an MPI request, and these waits poll on Horovod's hot path.
-        late = time.monotonic() + runtime.DEPARTED_GRACE_S
+        began = time.monotonic()        # a missing rank that left is waited for in vain
         if self.rank != 0:
             self._sends.append(self.comm.isend(message, dest=0, tag=tag))
 
             def answered():
                 found = self.comm.improbe(source=0, tag=tag)
-                if found is None and time.monotonic() > late and runtime.gone(
-                        self.group.ranks[:1]):
+                if found is None and runtime.gone(self.group.ranks[:1], began):
                     return False
                 return self._unless_stopping(found)
             found = poll(answered, time.monotonic() + timeout + 2.0, lambda: (
@@ -451,9 +448,8 @@ class Negotiator:
                         messages[r] = found.recv()
             if all(m is not None for m in messages):
                 return True
-            if time.monotonic() > late:
-                left[:] = runtime.gone([self.group.ranks[r] for r, m in enumerate(messages)
-                                        if m is None])
+            left[:] = runtime.gone([self.group.ranks[r] for r, m in enumerate(messages)
+                                    if m is None], began)
             return False if left else self._unless_stopping(None)
 
         def stalled() -> None:

@@ -205,13 +205,15 @@ DEPARTED_GRACE_S = 5.0
 def gone(ranks, since: float = 0.0) -> list:
     """Those of the world ``ranks`` that an operation begun at ``since``
     (``time.monotonic()``) waits for in vain: they left pycoll, and DEPARTED_GRACE_S has
-    passed since then and since ``since``. Empty with PYCOLL_ABORT_ON_ERROR=0."""
-    departures = _state.departures
-    seen = departures.departed() if departures is not None else None
-    if not seen or not config.get("abort_on_error"):
-        return []
+    passed since then and since ``since``. Empty with PYCOLL_ABORT_ON_ERROR=0. While
+    ``since`` is recent it answers without testing MPI, so a wait that polls may ask at
+    every try."""
     last = time.monotonic() - DEPARTED_GRACE_S
-    return sorted(r for r in ranks if r in seen and max(seen[r], since) < last)
+    departures = _state.departures
+    if departures is None or since >= last or not config.get("abort_on_error"):
+        return []
+    seen = departures.departed()
+    return sorted(r for r in ranks if r in seen and seen[r] < last)
 
 
 def _leave() -> None:

@@ -36,14 +36,10 @@ _DLPACK_DTYPES = {(2, 16): "float16", (4, 16): "bfloat16", (2, 32): "float32",
                   (0, 32): "int32", (0, 64): "int64", (1, 8): "uint8", (6, 8): "bool",
                   (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
                   (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2"}
+# numpy has no bfloat16 or float8 of its own: ml_dtypes' (JAX's) join the table on first
+# sight (_numpy_dtype), not at import, which would cost every process half a second.
 _NUMPY_DTYPES = {np.dtype(name): name for name in DTYPES
                  if name != "bfloat16" and name not in FLOAT8}
-try:                             # numpy has no bfloat16 or float8 of its own
-    import ml_dtypes
-    _NUMPY_DTYPES.update({np.dtype(getattr(ml_dtypes, name)): name
-                          for name in ("bfloat16",) + FLOAT8})
-except ImportError:
-    pass
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
@@ -91,7 +87,8 @@ def _numpy_dtype(dtype: np.dtype, x) -> str:
         raise TypeError(f"pycoll needs numbers in this machine's byte order, got dtype "
                         f"{dtype.str} (of a {_describe(x)}); pass "
                         f"x.astype(x.dtype.newbyteorder('='))")
-    return _check_dtype(dtype.name, x)
+    name = _NUMPY_DTYPES[dtype] = _check_dtype(dtype.name, x)
+    return name
 
 
 def _contiguous(shape, strides) -> bool:
@@ -348,13 +345,25 @@ def _maker(x):
     return np
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy's dtype for pycoll's dtype ``name``; bfloat16 and float8 are ml_dtypes'."""
+    if name == "bfloat16" or name in FLOAT8:
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError(f"numpy has no {name} of its own: pip install ml_dtypes, or "
+                            "use torch tensors") from None
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
 def _numpy_dtype_of(x) -> np.dtype:
     """The dtype of numpy results for a foreign host array: its own where numpy knows it
     (JAX's bfloat16 is ml_dtypes'), else its DLPack type's."""
     try:
         return np.dtype(x.dtype)
     except (AttributeError, TypeError):
-        return np.dtype(as_buffer(x).dtype)
+        return numpy_dtype(as_buffer(x).dtype)
 
 
 def empty_like(x, shape, huge: int = HUGE_PAGED):

@@ -1,4 +1,7 @@
 """The tensor adapter: what it accepts, and the errors that say how to fix the rest."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -39,6 +42,25 @@ def test_float8_from_torch_ml_dtypes_and_dlpack(name):
         buf = as_buffer(x)
         assert (buf.dtype, buf.nbytes, buf.shape) == (name, 5, (5,))
 
+
+def test_ml_dtypes_is_imported_only_when_its_dtypes_are_met():
+    """Importing ml_dtypes costs half a second a process: pycoll leaves it to the user's
+    script, and knows its dtypes when they come (or makes them, for numpy results)."""
+    script = """if True:
+        import sys
+        import numpy as np
+        import pycoll
+        from pycoll import tensors
+        assert "ml_dtypes" not in sys.modules
+        import ml_dtypes
+        for name in ("bfloat16",) + tensors.FLOAT8:
+            a = np.zeros(3, getattr(ml_dtypes, name))
+            assert tensors.as_buffer(a).dtype == name
+            assert tensors.numpy_dtype(name) == a.dtype
+        assert tensors.numpy_dtype("float32") == np.float32
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 class DLPackOnly:
     def __init__(self, inner):

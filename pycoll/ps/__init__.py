@@ -77,7 +77,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import config, emulation, timeline
+from .. import config, emulation, tensors, timeline
 from . import wire
 from .layout import mismatch, plan
 from .optim import SGD
@@ -274,7 +274,7 @@ def _outs(keys, outs, found):
     """Where pulled values land: the caller's tensors, or new numpy arrays."""
     if outs is None:
         import numpy as np
-        return [np.empty(k.shape, k.dtype) for k in found]
+        return [np.empty(k.shape, tensors.numpy_dtype(k.dtype)) for k in found]
     return _values(keys, outs)
 
 

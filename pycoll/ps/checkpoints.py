@@ -20,6 +20,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .. import tensors
+
 FORMAT, VERSION = "pycoll.ps checkpoint", 1
 
 
@@ -150,7 +152,8 @@ def load(directory: str, server: int, generation: int, job: dict) -> State:
             raise CheckpointError(f"{json_path}: its keys do not match its layout fingerprint")
         params, momentum = [], []
         for entry, (name, dtype, count, lo, hi) in zip(manifest["keys"], keys):
-            nbytes = (hi - lo) * np.dtype(dtype).itemsize
+            dtype = tensors.numpy_dtype(dtype)
+            nbytes = (hi - lo) * dtype.itemsize
             arrays = []
             for offset in (entry["params"], entry["momentum"]):
                 if offset is not None and not 0 <= offset <= raw.nbytes - nbytes:

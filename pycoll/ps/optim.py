@@ -4,6 +4,8 @@ from typing import Optional
 
 import numpy as np
 
+from .. import tensors
+
 FLOATS = ("float16", "float32", "float64")
 
 
@@ -25,7 +27,7 @@ class Shard:
 
     def __init__(self, dtype: str, count: int, lo: int, hi: int):
         self.dtype, self.count, self.lo, self.hi = dtype, count, lo, hi
-        self.params = np.zeros(hi - lo, dtype)
+        self.params = np.zeros(hi - lo, tensors.numpy_dtype(dtype))
         self.momentum: Optional[np.ndarray] = None
 
     def apply(self, update: np.ndarray, sgd: Optional[SGD], start: int = 0) -> None:

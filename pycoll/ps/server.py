@@ -288,7 +288,7 @@ class Server:
         for e, nbytes in zip(entries, sizes):
             if e.name not in self.shards:
                 shard = self.shards[e.name] = Shard(e.dtype, e.count, e.lo, e.hi)
-                shard.params[:] = payload[offset:offset + nbytes].view(e.dtype)
+                shard.params[:] = payload[offset:offset + nbytes].view(shard.params.dtype)
                 self.changed = True
             offset += nbytes
         self._reply(call, wire.OK)
@@ -331,7 +331,7 @@ class Server:
             offset = 0
             for index, lo, hi in segments:
                 shard, name = shards[index], keys[index]
-                values = piece[offset:offset + hi - lo].view(shard.dtype)
+                values = piece[offset:offset + hi - lo].view(shard.params.dtype)
                 start = lo // shard.params.itemsize
                 offset += hi - lo
                 if round_sums is None:

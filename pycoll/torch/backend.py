@@ -520,8 +520,11 @@ class ProcessGroupPycoll(dist.ProcessGroup):
                 self._p2p_failure = error
             request.Cancel()        # the poller completes it, so its buffer outlives it
         future = torch.futures.Future()
-        peer = self.group.world_ranks[src_or_dst] if src_or_dst >= 0 else None
-        _poller().watch(request, work, future, finish, staging, peer)
+        world = self.group.world_ranks
+        # A receive from any rank waits in vain once every other member has left.
+        peers = (world[src_or_dst],) if src_or_dst >= 0 else tuple(
+            r for i, r in enumerate(world) if i != self.rank())
+        _poller().watch(request, work, future, finish, staging, peers)
         return PycollWork(future, work, self._timeout, on_timeout=timed_out)
 
     def _p2p(self):
@@ -603,13 +606,13 @@ class _Poller:
         self._thread.start()
         atexit.register(self.stop)      # after mpi4py's: runs before MPI is finalized
 
-    def watch(self, request, work: pycoll.Work, future, finish, keep, peer=None) -> None:
+    def watch(self, request, work: pycoll.Work, future, finish, keep, peers=()) -> None:
         """Complete ``work`` and ``future`` with ``finish(status)`` once ``request`` is
         done, keeping ``keep`` (the buffer MPI reads or writes) alive until then; or with
-        an error once its ``peer`` (a world rank) has left pycoll, as gloo's fail when a
-        peer's process ends."""
+        an error once every one of its possible ``peers`` (world ranks) has left pycoll, as
+        gloo's fail when a peer's process ends."""
         with self._cv:
-            self._pending.append((request, work, future, finish, keep, peer, time.monotonic(), []))
+            self._pending.append((request, work, future, finish, keep, peers, time.monotonic(), []))
             self._cv.notify()
 
     def stop(self) -> None:
@@ -633,9 +636,9 @@ class _Poller:
             finished = []
             if time.monotonic() - looked > 1.0:     # as often as the engines' watchdog
                 looked = time.monotonic()
-                for request, work, _, _, _, peer, posted, gone in pending:
-                    if peer is not None and not gone and runtime.gone([peer], posted):
-                        gone.append(f"pycoll: {work.name} waits for {gone_ranks([peer])}")
+                for request, work, _, _, _, peers, posted, gone in pending:
+                    if peers and not gone and len(runtime.gone(peers, posted)) == len(peers):
+                        gone.append(f"pycoll: {work.name} waits for {gone_ranks(sorted(peers))}")
                         request.Cancel()
             for entry in pending:
                 status = MPI.Status()

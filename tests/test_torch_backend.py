@@ -688,8 +688,9 @@ def test_pycoll_rendezvous_takes_rank_and_size_from_mpi(world):
     through it) and refuses a rank that is not MPI's, on every rank, before any MPI call."""
     rank, size = world
     from torch.distributed.rendezvous import rendezvous
-    with pytest.raises(ValueError, match=f"this process is rank {rank} of {size}, but rank=7"):
-        next(rendezvous("pycoll://", rank=7))
+    wrong = size + 6                    # no rank's: every rank refuses it
+    with pytest.raises(ValueError, match=f"this process is rank {rank} of {size}, but rank={wrong}"):
+        next(rendezvous("pycoll://", rank=wrong))
 
 
 # ---------------------------------------------------------------- point to point

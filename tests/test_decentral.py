@@ -213,6 +213,48 @@ def test_training_under_every_policy_matches_synchronous(pycoll_world):
             assert result["final_accuracy"] >= synchronous - 0.03, (scheme, result["final_accuracy"])
 
 
+ADPSGD_WHILE_TRAINING = """
+import time, torch, pycoll
+from pycoll.decentral import ADPSGD
+from torch.nn.utils import parameters_to_vector
+pycoll.init()
+torch.set_num_threads(1)
+rank = pycoll.rank()
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+sync = ADPSGD(model, seed=rank)
+until = time.monotonic() + 3
+while time.monotonic() < until:
+    if rank % 2 == 0:                   # an active: averages with the passive, back to back
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        sync.step(optimizer)
+    else:                               # the passive's training thread, while it serves
+        model(torch.ones(2, 4)).sum().backward()
+        parameters_to_vector(model.parameters())
+sync.close()
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_adpsgd_passive_serves_while_its_training_thread_uses_the_model(tmp_path):
+    """A passive's service thread writes the model while its training thread runs forward,
+    backward and reads it: with torch's ``vector_to_parameters`` the two deadlocked
+    (torch's autograd lock against the GIL) within seconds, every run."""
+    script = tmp_path / "adpsgd.py"
+    script.write_text(ADPSGD_WHILE_TRAINING)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYCOLL_TIMEOUT="30")
+    try:
+        out = subprocess.run([sys.executable, "-m", "pycoll.launch.pycollrun", "-np", "2",
+                              "python", str(script)], env=env, capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the job hung: {hung.stdout} {hung.stderr}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "rank 0 done" in out.stdout and "rank 1 done" in out.stdout
+
+
 @pytest.mark.mpi(min_size=2)
 def test_adpsgd_averages_atomically_then_applies_the_gradient(pycoll_world):
     """Lian et al.'s order on an active: average with one random passive, then apply its own

@@ -27,11 +27,25 @@ import time
 
 import numpy as np
 import torch
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from .. import collectives, config, emulation, runtime
 from ..partial import partial_allreduce_
 from ..work import CollectiveTimeout, poll
+
+
+def _write(flat: torch.Tensor, params) -> None:
+    """``flat`` (``parameters_to_vector``'s layout) into ``params``' memory. Not torch's
+    ``vector_to_parameters``: its ``param.data =`` takes the parameter's autograd lock
+    holding the GIL, where the training thread's first op on a parameter in a step takes
+    that lock and then the GIL (to make its gradient accumulator), so AD-PSGD's service
+    thread writing the model that way deadlocked a passive within seconds. Through
+    ``.data``, as that did, so that a backward pass under way on the old values does not
+    fail autograd's check for tensors modified in place."""
+    offset = 0
+    for param in params:
+        param.data.copy_(flat[offset:offset + param.numel()].view_as(param))
+        offset += param.numel()
 
 
 class AllReduce:
@@ -73,7 +87,7 @@ class Ripples:
             with torch.no_grad():
                 flat = parameters_to_vector(self.params)
                 partial_allreduce_(flat, group, name="ripples model average")
-                vector_to_parameters(flat, self.params)
+                _write(flat, self.params)
             self.groups_joined += 1
 
     def step(self, optimizer) -> None:
@@ -194,7 +208,7 @@ class ADPSGD:
         self.counts["lock wait s"] += time.monotonic() - begin
         average = self._exchange(self._flat(), peer)
         with torch.no_grad():
-            vector_to_parameters(torch.from_numpy(average), self.params)
+            _write(torch.from_numpy(average), self.params)
         self._wait(self.comm.Isend(bytearray(0), dest=peer, tag=_RELEASE), peer)
         self.counts["averages"] += 1
 
@@ -214,7 +228,7 @@ class ADPSGD:
                 with self._locked("busy"), torch.no_grad():
                     self._wait(self.comm.Isend(bytearray(0), dest=peer, tag=_GRANT), peer)
                     average = self._exchange(self._flat(), peer)
-                    vector_to_parameters(torch.from_numpy(average), self.params)
+                    _write(torch.from_numpy(average), self.params)
                     self.comm.Recv(bytearray(0), source=peer, tag=_RELEASE)
                 self.counts["averages"] += 1
                 # Another active's request already here waited behind this averaging.

@@ -534,10 +534,13 @@ def test_probed_messages_are_received_without_the_sweep(comm, monkeypatch):
 def test_a_probed_messages_receive_completes_at_its_arrival_in_the_model(comm):
     """Posted before the modelled arrival, a matched message's Irecv is held until then;
     posted after it (the parameter server takes a payload piece once it has waited for
-    the header), it completes with the real receive, without the emulation thread."""
+    the header), it completes with the real receive, without the emulation thread. Every
+    rank communicates first and asserts after: a rank failing a check in the loop left the
+    others waiting in the fixture's barrier, and the suite hung."""
     from mpi4py import MPI
     r, n = comm.Get_rank(), comm.Get_size()
     model = LATENCY + 4096 / BANDWIDTH
+    seen = []
     for late in (0.0, 3 * model):
         box, status = np.empty(1024, np.int32), MPI.Status()
         start = _together(comm)
@@ -551,13 +554,15 @@ def test_a_probed_messages_receive_completes_at_its_arrival_in_the_model(comm):
         while not request.Test():
             pass
         done = time.monotonic()
-        assert done - start >= model * 0.99, (late, done - start, model)
-        if late:
-            assert isinstance(request, MPI.Request) and not isinstance(request, MPI.Grequest)
-            assert done - posted < model, (done - posted, model)     # no wait for a turn
-        assert np.all(box == (r - 1) % n), (late, box[:4])
         sent.Wait()                 # complete once its receiver has taken it: after ours
+        seen.append((late, done - start, done - posted, type(request), box.copy()))
     comm.Barrier()
+    for late, took, after_post, kind, box in seen:
+        assert took >= model * 0.99, (late, took, model)
+        if late:
+            assert issubclass(kind, MPI.Request) and not issubclass(kind, MPI.Grequest)
+            assert after_post < model, (after_post, model)          # no wait for a turn
+        assert np.all(box == (r - 1) % n), (late, box[:4])
 
 
 @pytest.mark.mpi(min_size=2)

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 import torch
-from torch.nn.utils import parameters_to_vector
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives, config, emulation, runtime
 from ..partial import partial_allreduce_
@@ -35,7 +35,9 @@ from ..work import CollectiveTimeout, poll
 
 
 def _write(flat: torch.Tensor, params) -> None:
-    """``flat`` (``parameters_to_vector``'s layout) into ``params``' memory. Not torch's
+    """``flat`` (``parameters_to_vector``'s layout) into ``params``' memory, from any
+    thread (AD-PSGD's averages; Ripples, in the caller's thread, lets its parameters
+    become views of the averaged vector instead, saving the copy). Not torch's
     ``vector_to_parameters``: its ``param.data =`` takes the parameter's autograd lock
     holding the GIL, where the training thread's first op on a parameter in a step takes
     that lock and then the GIL (to make its gradient accumulator), so AD-PSGD's service
@@ -87,7 +89,7 @@ class Ripples:
             with torch.no_grad():
                 flat = parameters_to_vector(self.params)
                 partial_allreduce_(flat, group, name="ripples model average")
-                _write(flat, self.params)
+                vector_to_parameters(flat, self.params)     # the caller's thread: no copy
             self.groups_joined += 1
 
     def step(self, optimizer) -> None:

@@ -13,6 +13,7 @@
 
 #include "clock.h"
 #include "kernels.h"
+#include "link.h"
 #include "mpi_calls.h"
 #include "pacing.h"
 #include "partition.h"
@@ -351,6 +352,32 @@ PYBIND11_MODULE(_C, m) {
         "Find MPI's functions beside mpi4py's extension module (MPI.__file__); MPI._sizeof(MPI.Comm) is "
         "handle_size. Returns '' once bound, else why not.");
     m.def("mpi_bound", &mpi::bound, "Whether mpi_bind found MPI: the short path and partial_allreduce can run.");
+
+    // ---- --link: the emulation thread's releases of held point-to-point requests (link.h) ----
+    m.def(
+        "link_wait",
+        [](const std::vector<std::pair<double, intptr_t>>& releases, const std::vector<int>& fds, double until) {
+            std::vector<link::Release> due;
+            due.reserve(releases.size());
+            for (const auto& [when, request] : releases) due.push_back({when, request});
+            std::vector<int> ready;
+            int error = 0;
+            size_t done;
+            {
+                py::gil_scoped_release nogil;
+                done = link::wait(due, fds, until, ready, error);
+            }
+            return py::make_tuple(done, ready, error);
+        },
+        py::arg("releases"), py::arg("fds"), py::arg("until"),
+        "link_wait(releases, fds, until) -> (completed, ready, error): without the GIL, complete each generalized "
+        "request of releases ((due, handle) pairs sorted by due, time.monotonic()'s clock) at its due, waking "
+        "link_nap's nappers, until `until` or until one of fds is readable (ready: their indices). completed: how "
+        "many of releases (a prefix); error: MPI's code if completing the next one failed, else 0.");
+    m.def("link_nap", &link::nap, py::arg("seconds"), Release(),
+          "link_nap(seconds) -> whether a release by link_wait (or link_released) ended the sleep before seconds; "
+          "counts its wait for a core after that release while count_core_waits is on.");
+    m.def("link_released", &link::released, "Wake link_nap's nappers: requests were completed elsewhere.");
 
     // ---- CPU ----
     m.def(

@@ -72,11 +72,6 @@ double run_delay() {
 
 namespace {
 
-// How often a counting spin reads its run delay (a read is a procfs call): a wait for a
-// core in the last READ_EVERY_S before the deadline may be left out; a shared core's waits
-// are its time slices, milliseconds.
-constexpr double READ_EVERY_S = 20e-6;
-
 struct Waits {
     bool on = false;
     std::mutex lock;

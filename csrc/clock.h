@@ -28,6 +28,11 @@ void sleep_until(double deadline);
 // Linux's timer slack of 1 ns for the calling thread, not 50 us: sleeps end on time.
 void precise_timers();
 
+// How often a counting spin reads its run delay (a read is a procfs call): a wait for a
+// core in the last READ_EVERY_S before the deadline may be left out; a shared core's waits
+// are its time slices, milliseconds.
+constexpr double READ_EVERY_S = 20e-6;
+
 // Seconds the calling thread has been runnable without a core (schedstat's run delay; 0
 // where there is none).
 double run_delay();

@@ -14,12 +14,12 @@ namespace {
 // The functions, in the order of kNames: the collectives first (counted), up to kCommRank.
 enum Fn { kAllreduce, kBcast, kAllgather, kAllgatherv, kAlltoall, kAlltoallv, kReduceScatter, kReduceScatterBlock,
           kCommRank,
-          kIsend, kIrecv, kTest, kTestany, kCancel, kWait, kCount };
+          kIsend, kIrecv, kTest, kTestany, kCancel, kWait, kGrequestComplete, kCount };
 const char* const kNames[kCount] = {"MPI_Allreduce", "MPI_Bcast", "MPI_Allgather", "MPI_Allgatherv",
                                     "MPI_Alltoall", "MPI_Alltoallv", "MPI_Reduce_scatter",
                                     "MPI_Reduce_scatter_block", "MPI_Comm_rank",
                                     "MPI_Isend", "MPI_Irecv", "MPI_Test", "MPI_Testany", "MPI_Cancel",
-                                    "MPI_Wait"};
+                                    "MPI_Wait", "MPI_Grequest_complete"};
 void* fn[kCount] = {};
 size_t handle_bytes = 0;
 std::atomic<uint64_t> collectives{0};
@@ -167,5 +167,7 @@ int testany(int count, void* requests, int* index, int* flag) {
 int cancel(void* request) { return call(kCancel, Request{request}); }
 
 int wait(void* request) { return call(kWait, Request{request}, static_cast<void*>(status)); }
+
+int grequest_complete(intptr_t request) { return call(kGrequestComplete, Handle{request}); }
 
 }  // namespace pycoll::mpi

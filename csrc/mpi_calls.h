@@ -60,5 +60,7 @@ int test(void* request, int* flag);
 int testany(int count, void* requests, int* index, int* flag);
 int cancel(void* request);
 int wait(void* request);
+// MPI_Grequest_complete of the generalized request `request` (its handle's value).
+int grequest_complete(intptr_t request);
 
 }  // namespace pycoll::mpi

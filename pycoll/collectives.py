@@ -20,7 +20,7 @@ from . import _C, config, emulation, runtime, tensors, timeline
 from .ops import (Average, BitwiseAnd, BitwiseOr, BitwiseXor, Max, Min, Product,  # noqa: F401
                   ReduceOp, Sum, check_reduction, check_root, kernel_op, reduce_op)
 from .tensors import ITEMSIZE, Buffer, as_buffer
-from .work import CollectiveTimeout, Work, wait_request
+from .work import CollectiveTimeout, Work, mpi_from_c, wait_request
 
 
 _MPI_OPS = {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
@@ -178,9 +178,9 @@ def _allreduce_one(item: _Allreduce):
     return item.out
 
 
-# "" once _C has found MPI_Allreduce in the MPI that mpi4py loaded; else why not (the
-# short path is then off, and every allreduce goes through mpi4py).
-_MPI_FROM_C = _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
+# Not "" where _C cannot call MPI: the short path is then off, and every allreduce goes
+# through mpi4py.
+_MPI_FROM_C = mpi_from_c()
 
 
 def _short_route(op, x) -> tuple:

@@ -198,3 +198,13 @@ def lazy(make: Callable[[], T]) -> Callable[[], T]:
                     made.append(make())
         return made[0]
     return get
+
+
+def _bind_mpi() -> str:
+    from mpi4py import MPI
+    return _C.mpi_bind(MPI.__file__, MPI._sizeof(MPI.Comm))
+
+
+# "" once _C has found the functions of the MPI that mpi4py loaded (the compiled paths call
+# them), else why not: bound at the first call, by whichever path needs it first.
+mpi_from_c = lazy(_bind_mpi)

@@ -123,20 +123,49 @@ def test_nap_ends_when_the_emulation_releases_a_request(settings, monkeypatch):
     """A poller's nap (the parameter server's) under a link ends at the emulation's
     release, not after its full length; without a link it is a plain sleep."""
     settings(link=LINK)
-    emulation._released.clear()
-    threading.Timer(0.05, emulation._released.set).start()
+    threading.Timer(0.05, _C.link_released).start()
     start = time.monotonic()
     emulation.nap(60.0)
-    assert time.monotonic() - start < 30 and not emulation._released.is_set()
+    assert time.monotonic() - start < 30
     settings(link=None)
     slept, me, sleep = [], threading.get_ident(), time.sleep
     monkeypatch.setattr(time, "sleep", lambda s: slept.append(s) if threading.get_ident() == me
                         else sleep(s))
-    emulation._released.set()                   # no link: not looked at
+    threading.Timer(0.01, _C.link_released).start()      # no link: not looked at
     emulation.nap(0.25)
-    emulation._released.clear()
     assert slept == [0.25]
 
+
+def test_link_wait_completes_requests_at_their_dues_and_returns_on_a_record():
+    """The emulation thread's wait (csrc/link.cpp): each generalized request completes at
+    its due, not before, and wakes the nappers; a readable descriptor ends the wait."""
+    from mpi4py import MPI
+    from pycoll.work import mpi_from_c
+    assert mpi_from_c() == ""
+    held = [MPI.Grequest.Start(lambda status: None, lambda: None, lambda done: None)
+            for _ in range(3)]
+    read, write = os.pipe()
+    napped = []
+    napper = threading.Thread(target=lambda: napped.append(_C.link_nap(60.0)))
+    napper.start()
+    start = time.monotonic()
+    dues = [start + 0.02, start + 0.04, start + 30.0]
+    releases = [(due, MPI._handleof(g)) for due, g in zip(dues, held)]
+    done, ready, error = _C.link_wait(releases, [read], start + 0.06)
+    assert (done, ready, error) == (2, [], 0)
+    assert time.monotonic() >= start + 0.06
+    assert [g.Test() for g in held] == [True, True, False]
+    napper.join(30)
+    assert napped == [True]
+    threading.Timer(0.02, os.write, (write, b"!")).start()
+    done, ready, error = _C.link_wait(releases[2:], [read], math.inf)
+    assert (done, ready, error) == (0, [0], 0)
+    assert not held[2].Test()
+    assert _C.link_wait(releases[2:], [], time.monotonic()) == (0, [], 0)     # until passed
+    held[2].Complete()
+    held[2].Wait()
+    os.close(read)
+    os.close(write)
 
 
 def test_core_waits_count_only_the_wait_after_the_deadline():
@@ -446,8 +475,10 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
     transfer = emulation.transfer_time(MESSAGE, LATENCY, BANDWIDTH)
     times, statuses, released = [], [], []
     for blocking in (False, True):
+        napper = threading.Thread(target=lambda: released.append(_C.link_nap(5.0)))
+        if not blocking and r in (0, 1):       # a held request's release wakes nappers
+            napper.start()
         start = _together(comm)
-        emulation._released.clear()
         status = MPI.Status()
         if r == 0:
             if blocking:
@@ -460,8 +491,8 @@ def test_a_message_takes_latency_plus_bytes_over_bandwidth(comm):
             else:
                 comm.Irecv(data, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG).Wait(status)
         times.append(time.monotonic() - start)
-        if not blocking and r in (0, 1):       # a held request's release wakes nappers
-            released.append(emulation._released.wait(5))    # (set just after it)
+        if napper.ident:
+            napper.join(10)
         statuses.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
     if r == 0:
         assert min(times) >= MESSAGE / BANDWIDTH * 0.99, times          # its last byte left

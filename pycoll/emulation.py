@@ -541,6 +541,7 @@ class _Emulator:
         # and ANY_TAG stay -1), each queue in posting order: MPI matches them in that order
         self.receiving: Dict[tuple, collections.deque] = {}
         self.tracking = False             # whether the thread knows of receives
+        self.announced = 0                # SENT records read so far
         self.pickled: list = []           # comm.irecv()'s, likewise
         self.due: list = []               # heap of (due, order, entry): done, to release
         self.statuses: list = []
@@ -626,6 +627,7 @@ class _Emulator:
             for kind, cid, rank, tag, *times in _RECORD.iter_unpack(data):
                 if kind == _SENT:
                     self.records[cid, rank, tag].append(times)
+                    self.announced += 1
                 else:
                     self.taken.append(((cid, rank, tag), times[0]))
                     answered = True
@@ -746,10 +748,12 @@ class _Emulator:
         than its model."""
         from mpi4py import MPI
         _C.precise_timers()
-        poll = _POLL_MIN
+        poll, heard, released = _POLL_MIN, 0, False
         while not self.closed:
             with self.lock:
                 self._read_records()
+                # a message just announced is usually in a moment: test it soon again
+                fresh, heard = self.announced != heard, self.announced
                 new, self.new = self.new, []
                 cancels, self.cancels = self.cancels, []
                 taken, self.taken = self.taken, []
@@ -791,7 +795,7 @@ class _Emulator:
                                   "are not paced")
                 self.broken, moved, late = True, True, True
                 self._release_all()
-            poll = _POLL_MIN if moved else min(2 * poll, _POLL_MAX)
+            poll = _POLL_MIN if moved or released or fresh else min(2 * poll, _POLL_MAX)
             now = time.monotonic()
             wake = min(self.sending[0][0] if self.sending else math.inf,
                        self.fallback if self.receiving or self.pickled else math.inf,
@@ -800,7 +804,7 @@ class _Emulator:
                 self.tracking = bool(self.receiving or self.pickled)
                 busy = bool(self.new or self.cancels or self.taken)
             try:
-                self._release(now if busy else wake)
+                released = self._release(now if busy else wake)
             except Exception:                                # noqa: BLE001
                 if MPI.Is_finalized():
                     return
@@ -809,11 +813,11 @@ class _Emulator:
                 self.broken = True
                 self._release_all()
 
-    def _release(self, until: float) -> None:
+    def _release(self, until: float) -> bool:
         """Complete the held requests of ``due`` at their modelled times until ``until``, or
         until a record or a wake-up comes. In C without the GIL: a completion from Python
         reached its waiter 15-40 us late, after the GIL's hand-over (2 ranks, the VM), and a
-        sleep in select woke 10-25 us past the due."""
+        sleep in select woke 10-25 us past the due. Whether it completed any."""
         held = [item for item in sorted(self.due) if item[2].grequest is not None]
         done, ready, error = _C.link_wait(
             [(due, self.handle_of(entry.grequest)) for due, _, entry in held],
@@ -833,6 +837,7 @@ class _Emulator:
         if error:
             from mpi4py import MPI
             raise MPI.Exception(error)
+        return done > 0
 
     def _taken(self, entry: _Entry) -> None:
         """A held send whose receiver has taken it: tested when both its last byte has

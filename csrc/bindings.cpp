@@ -375,8 +375,9 @@ PYBIND11_MODULE(_C, m) {
         "link_nap's nappers, until `until` or until one of fds is readable (ready: their indices). completed: how "
         "many of releases (a prefix); error: MPI's code if completing the next one failed, else 0.");
     m.def("link_nap", &link::nap, py::arg("seconds"), Release(),
-          "link_nap(seconds) -> whether a release by link_wait (or link_released) ended the sleep before seconds; "
-          "counts its wait for a core after that release while count_core_waits is on.");
+          "link_nap(seconds) -> whether a release by link_wait (or link_released) ended the sleep before seconds "
+          "(at once after one that this thread's naps have not seen yet); counts its wait for a core after that "
+          "release while count_core_waits is on.");
     m.def("link_released", &link::released, "Wake link_nap's nappers: requests were completed elsewhere.");
 
     // ---- CPU ----

@@ -86,13 +86,16 @@ bool nap(double seconds) {
     clock::precise_timers();
     const bool counting = clock::counting_core_waits();
     const double before = counting ? clock::run_delay() : 0.0;
+    // The releases this thread's naps have seen: one since its last nap (while it tested
+    // its requests) ends the next at once, as a set event would.
+    thread_local uint64_t seen = 0;
     double due;
     {
         std::unique_lock<std::mutex> hold(lock);
-        const uint64_t seen = releases_so_far;
         if (!moved.wait_for(hold, std::chrono::duration<double>(std::max(0.0, seconds)),
                             [&] { return releases_so_far != seen; }))
             return false;
+        seen = releases_so_far;
         due = latest_due;
     }
     if (counting) {

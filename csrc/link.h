@@ -21,7 +21,8 @@ struct Release {
 size_t wait(const std::vector<Release>& releases, const std::vector<int>& fds, double until,
             std::vector<int>& ready, int& error);
 
-// A poller's sleep between tests of its requests: until a release (true) or `seconds`.
+// A poller's sleep between tests of its requests: until a release (true) or `seconds`; at
+// once after a release this thread's naps have not seen yet (one while it tested).
 bool nap(double seconds);
 
 // Wake the nappers: requests were completed elsewhere (cancelled, or released unpaced).

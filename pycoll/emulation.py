@@ -191,10 +191,11 @@ sleep_until = _C.sleep_until
 
 def nap(seconds: float) -> None:
     """A poller's sleep between tests of MPI requests: under a link it ends early when
-    the emulation thread releases held requests (every napper of the process wakes), so
-    the poller sees a completion at once instead of up to ``seconds`` later (the
-    parameter server naps up to 1 ms: every paced transfer ran that much over). Either way
-    with the 1 ns timer slack (the default 50 us made every nap that much longer)."""
+    the emulation thread releases held requests (every napper of the process wakes; a
+    release while the poller tested ends its next nap at once), so the poller sees a
+    completion at once instead of up to ``seconds`` later (the parameter server naps up
+    to 1 ms: every paced transfer ran that much over). Either way with the 1 ns timer
+    slack (the default 50 us made every nap that much longer)."""
     _C.precise_timers()
     if not config.get("link"):
         time.sleep(seconds)

@@ -15,8 +15,8 @@ struct Release {
 };
 
 // Until `until`, or until one of `fds` is readable (their indices in `ready`): complete each
-// of `releases` (sorted by due) at its due, asleep to its last clock::SPIN_S, then yielding;
-// the nappers wake after each. How many were completed (a prefix); `error` MPI's code if one
+// of `releases` (sorted by due) at its due, asleep until then (no spin: see link.cpp); the
+// nappers wake after each. How many were completed (a prefix); `error` MPI's code if one
 // failed (the rest are left).
 size_t wait(const std::vector<Release>& releases, const std::vector<int>& fds, double until,
             std::vector<int>& ready, int& error);

@@ -747,7 +747,6 @@ class _Emulator:
         modelled time has come. Sleeps until the next due time, or on the FIFO and the
         wake-up pipe; polls real requests (backing off to 1 ms) only while one is later
         than its model."""
-        from mpi4py import MPI
         _C.precise_timers()
         poll, heard, released = _POLL_MIN, 0, False
         while not self.closed:
@@ -787,15 +786,9 @@ class _Emulator:
                 moved, late = self._step(waiting)
                 self._flush()
             except Exception:                                # noqa: BLE001
-                if MPI.Is_finalized():
+                if not self._failed():
                     return
-                # Never die: a dead thread would leave every held request waiting. From
-                # here on requests complete with their real ones, unpaced.
-                if not self.broken:
-                    log.exception("pycoll: --link emulation failed; messages from now on "
-                                  "are not paced")
-                self.broken, moved, late = True, True, True
-                self._release_all()
+                moved, late = True, True
             poll = _POLL_MIN if moved or released or fresh else min(2 * poll, _POLL_MAX)
             now = time.monotonic()
             wake = min(self.sending[0][0] if self.sending else math.inf,
@@ -807,12 +800,21 @@ class _Emulator:
             try:
                 released = self._release(now if busy else wake)
             except Exception:                                # noqa: BLE001
-                if MPI.Is_finalized():
+                if not self._failed():
                     return
-                log.exception("pycoll: --link emulation failed; messages from now on are "
-                              "not paced")
-                self.broken = True
-                self._release_all()
+
+    def _failed(self) -> bool:
+        """After an exception in the thread: whether it goes on (not once MPI is finalized).
+        Never die: a dead thread would leave every held request waiting. From here on
+        requests complete with their real ones, unpaced."""
+        from mpi4py import MPI
+        if MPI.Is_finalized():
+            return False
+        if not self.broken:
+            log.exception("pycoll: --link emulation failed; messages from now on are not paced")
+        self.broken = True
+        self._release_all()
+        return True
 
     def _release(self, until: float) -> bool:
         """Complete the held requests of ``due`` at their modelled times until ``until``, or

@@ -125,7 +125,7 @@ void sleep_until(double deadline) {
     double before = counting ? run_delay() : 0.0, awake = t;
     if (deadline - t > SPIN_S) {
         const double wake = deadline - SPIN_S;
-        timespec ts{static_cast<time_t>(wake), static_cast<long>((wake - std::floor(wake)) * 1e9)};
+        const timespec ts = timespec_of(wake);
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, nullptr) == EINTR) {
         }
         if (counting) woke(deadline, before, -1.0, before, awake);

@@ -2,6 +2,9 @@
 // emulation's precise sleep with its count of waits for a core (clock.cpp). No Python here.
 #pragma once
 
+#include <cmath>
+#include <ctime>
+
 namespace pycoll::clock {
 
 // time.monotonic()'s clock, to the nanosecond.
@@ -24,6 +27,11 @@ class Patience {
 // last SPIN_S, then yielding the core. Call without the GIL.
 constexpr double SPIN_S = 120e-6;
 void sleep_until(double deadline);
+
+// `seconds` (>= 0: a span, or a time on now()'s clock) as the timespec the sleeps take.
+inline timespec timespec_of(double seconds) {
+    return timespec{static_cast<time_t>(seconds), static_cast<long>((seconds - std::floor(seconds)) * 1e9)};
+}
 
 // Linux's timer slack of 1 ns for the calling thread, not 50 us: sleeps end on time.
 void precise_timers();

@@ -30,11 +30,6 @@ void notify(double due) {
     moved.notify_all();
 }
 
-timespec span(double seconds) {
-    seconds = std::max(0.0, seconds);
-    return timespec{static_cast<time_t>(seconds), static_cast<long>((seconds - std::floor(seconds)) * 1e9)};
-}
-
 }  // namespace
 
 size_t wait(const std::vector<Release>& releases, const std::vector<int>& fds, double until,
@@ -69,7 +64,7 @@ size_t wait(const std::vector<Release>& releases, const std::vector<int>& fds, d
         // as clock::sleep_until does: on a machine where ranks outnumber cores that took the
         // core from the rank the waiter waits for (round trips of 1.4-3.7 ms, not 0.2).
         const double sleep = std::min(next, until) - t;
-        const timespec timeout = span(std::isinf(sleep) ? 0.0 : sleep);
+        const timespec timeout = clock::timespec_of(std::isinf(sleep) ? 0.0 : sleep);
         if (ppoll(polls.data(), polls.size(), std::isinf(sleep) ? nullptr : &timeout, nullptr) > 0) {
             for (size_t i = 0; i < polls.size(); ++i)
                 if (polls[i].revents) ready.push_back(static_cast<int>(i));
